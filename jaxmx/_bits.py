@@ -1,0 +1,85 @@
+"""Exact float32 bit arithmetic for powers of two (no log2/exp2, no subnormal flushing).
+
+XLA on CPU flushes float32 subnormals in arithmetic, so every place where a subnormal input or
+output matters is built from integer operations on the float32 bits.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+MANTISSA_BITS = 23
+MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
+EXPONENT_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def to_bits(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> its int32 bit pattern."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def from_bits(bits: jnp.ndarray) -> jnp.ndarray:
+    """int32 bit pattern -> float32."""
+    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
+
+
+def upcast_exact(x: jnp.ndarray) -> jnp.ndarray:
+    """Converts float16/bfloat16/float32 to float32 exactly, subnormals included."""
+    if x.dtype == jnp.bfloat16:
+        bits16 = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32)
+        return from_bits(bits16 << 16)
+    return x.astype(jnp.float32)
+
+
+def pow2(k: jnp.ndarray) -> jnp.ndarray:
+    """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
+    k = k.astype(jnp.int32)
+    normal = from_bits(jnp.clip(k + EXPONENT_BIAS, 1, 255) << MANTISSA_BITS)
+    return jnp.where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
+
+
+def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jnp.ndarray:
+    """The E8M0 byte ``clamp(exponent(amax) + increment - emax, -127, 127) + 127`` (or 0xFF).
+
+    ``amax_bits`` are the float32 bits of a non-negative amax (NaN/Inf have exponent 0xFF and map
+    to the NaN byte). A zero or subnormal amax yields byte 0, the smallest scale.
+    """
+    exponent = amax_bits >> MANTISSA_BITS
+    byte = jnp.clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
+    return jnp.where(exponent == 0xFF, E8M0_NAN, byte)
+
+
+def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """``x * 2**k`` for float32 x and integer k in [-126, 127], exact for subnormal x.
+
+    Results below 2^-126 are flushed to zero, which is harmless here: they are far below half
+    the smallest subnormal of every MX element format and round to zero anyway.
+    """
+    bits = to_bits(x)
+    is_subnormal = (bits & 0x7F800000) == 0
+    magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
+    from_subnormal = jnp.where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
+    return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
+
+
+def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """``value * 2**k`` in float32, exact including subnormal and infinite results.
+
+    ``value`` is a decoded element (at most 24 significant bits, normal in float32 or zero), ``k``
+    an integer in [-127, 127]. Built from the bits, so no flushing: e.g. 1.0 * 2^-127 gives the
+    float32 subnormal 2^-127.
+    """
+    bits = to_bits(value)
+    sign = bits & jnp.int32(-(2**31))
+    exponent = (bits >> MANTISSA_BITS) & 0xFF
+    new_exponent = exponent + k
+    normal = bits + (k << MANTISSA_BITS)
+    significand = (bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
+    shift = jnp.clip(1 - new_exponent, 0, 31)
+    subnormal = sign | (significand >> shift)
+    out = jnp.where(new_exponent >= 1, normal, subnormal)
+    out = jnp.where(new_exponent >= 0xFF, sign | 0x7F800000, out)
+    passthrough = (exponent == 0) | (exponent == 0xFF)  # zeros, NaN and inf elements
+    return from_bits(jnp.where(passthrough, bits, out))

@@ -1,0 +1,222 @@
+"""Quantize to and dequantize from MX formats, bit-exact to the OCP MX spec and cuBLAS rceil.
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> x = jnp.linspace(-3.0, 3.0, 64).reshape(2, 32)
+    >>> q = jaxmx.quantize(x, "mxfp8_e4m3")            # blocks of 32 along the last axis
+    >>> q.scale.view(jnp.uint8).tolist()               # 2^-7: 3 / 2^-7 = 384 <= 448
+    [[120], [120]]
+    >>> bool(jnp.abs(jaxmx.dequantize(q) - x).max() <= 3 * 2.0**-4)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx import _bits
+from jaxmx.formats import Format, check_scale_mode, get_format
+from jaxmx.mxarray import MXArray
+
+_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def quantize(
+    x: jax.Array,
+    fmt: str = "mxfp8_e4m3",
+    axis: int = -1,
+    scale_mode: str = "rceil",
+    *,
+    key: jax.Array | None = None,
+) -> MXArray:
+    """Quantizes ``x`` in blocks of 32 consecutive elements along ``axis``.
+
+    Args:
+        x: a float32, bfloat16 or float16 array of any rank >= 1.
+        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"`` or ``"mxfp4"``.
+        axis: the block axis; padded with zeros to a multiple of 32 when needed.
+        scale_mode: ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"``; see
+            :data:`jaxmx.formats.SCALE_MODES`.
+        key: a PRNG key to round elements stochastically (unbiased); ``None`` rounds to nearest
+            even.
+
+    Returns:
+        An :class:`MXArray`. A block that holds a NaN or an infinity gets the NaN scale (0xFF) and
+        dequantizes to NaN; an all-zero block gets the smallest scale (byte 0) and zero elements.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> q = jaxmx.quantize(jnp.full((40,), 480.0), "mxfp8_e4m3")
+        >>> q.data.shape, q.scale.shape                  # 40 padded to 64: two blocks
+        ((64,), (2,))
+        >>> jaxmx.dequantize(q)[:2].tolist()             # rceil: 480 = 240 * 2^1, no saturation
+        [480.0, 480.0]
+    """
+    f = get_format(fmt)
+    check_scale_mode(scale_mode)
+    x = jnp.asarray(x)
+    _check_input(x)
+    axis = _normalize_axis(axis, x.ndim)
+    if key is not None:
+        key = _check_key(key)
+    xb = _blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+    data, scale = _quantize_blocks(xb, f, scale_mode, key)
+    padded = (*x.shape[:axis], xb.shape[1] * f.block, *x.shape[axis + 1 :])
+    scale_shape = (*x.shape[:axis], xb.shape[1], *x.shape[axis + 1 :])
+    return MXArray(
+        data=data.reshape(padded),
+        scale=scale.reshape(scale_shape),
+        fmt=f.name,
+        axis=axis,
+        shape=tuple(x.shape),
+    )
+
+
+def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
+    """Decodes ``q`` to ``dtype``, exactly (values are exact in float32, subnormals included).
+
+    Returns an array of the logical (unpadded) shape. Blocks with the NaN scale become NaN.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> x = jnp.array([1.0, -0.5, 0.25] + [0.0] * 29)
+        >>> jaxmx.dequantize(jaxmx.quantize(x))[:3].tolist()
+        [1.0, -0.5, 0.25]
+    """
+    if not isinstance(q, MXArray):
+        raise TypeError(f"dequantize expects an MXArray, got {type(q).__name__}")
+    f = q.format
+    batch = q.data.ndim - q.ndim  # leading dims added by vmap around a quantize
+    axis = q.axis + batch
+    outer = math.prod(q.data.shape[:axis])
+    n_blocks = q.scale.shape[axis]
+    values = _decode(q.data, f).reshape(outer, n_blocks, f.block, -1)
+    byte = _scale_byte(q.scale).reshape(outer, n_blocks, 1, -1)
+    out = _bits.ldexp_exact(values, jnp.minimum(byte, 254) - _bits.EXPONENT_BIAS)
+    out = jnp.where(byte == _bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
+    out = lax.slice_in_dim(out, 0, q.shape[q.axis], axis=axis)
+    return out.astype(dtype)
+
+
+def quantize_rowwise_colwise(
+    x: jax.Array,
+    fmt: str = "mxfp8_e4m3",
+    scale_mode: str = "rceil",
+    *,
+    key: jax.Array | None = None,
+) -> tuple[MXArray, MXArray]:
+    """Both MX copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
+
+    Returns:
+        ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
+        ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> row, col_t = jaxmx.quantize_rowwise_colwise(jnp.ones((64, 96)))
+        >>> row.scale.shape, col_t.scale.shape
+        ((64, 3), (96, 2))
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
+    row_key = col_key = None
+    if key is not None:
+        row_key, col_key = jax.random.split(_check_key(key))
+    row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key)
+    col = quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key)
+    col_t = MXArray(col.data.T, col.scale.T, col.fmt, axis=1, shape=(x.shape[1], x.shape[0]))
+    return row, col_t
+
+
+# --- internals ------------------------------------------------------------------------------
+
+
+def _check_input(x: jax.Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            f"quantize expects a float32, bfloat16 or float16 array, got dtype {x.dtype}"
+        )
+    if x.ndim == 0:
+        raise ValueError("quantize expects an array of rank >= 1, got a scalar")
+
+
+def _check_key(key: jax.Array) -> jax.Array:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    if key.dtype == jnp.uint32 and key.shape == (2,):
+        return key
+    raise TypeError(f"key must be a PRNG key (jax.random.key), got {key.dtype}{key.shape}")
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis!r} is out of range for an array of rank {ndim}")
+    return axis % ndim
+
+
+def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
+    x = _bits.upcast_exact(x)
+    size = x.shape[axis]
+    n_blocks = -(-size // block)
+    if n_blocks * block != size:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n_blocks * block - size)
+        x = jnp.pad(x, pad)
+    outer = math.prod(x.shape[:axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    return x.reshape(outer, n_blocks, block, inner)
+
+
+def _quantize_blocks(xb, f: Format, scale_mode: str, key):
+    bits = _bits.to_bits(xb)
+    amax_bits = jnp.max(bits & 0x7FFFFFFF, axis=2, keepdims=True)  # integer max == float max
+    byte = _bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
+    exponent = jnp.where(byte == _bits.E8M0_NAN, 128, byte - _bits.EXPONENT_BIAS)
+    scaled = _bits.scale_by_pow2(xb, -exponent)
+    if key is not None:
+        scaled = _round_stochastically(scaled, f, key)
+    elements = jnp.clip(scaled, -f.elem_max, f.elem_max).astype(f.dtype)
+    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return elements, jnp.squeeze(scale, axis=2)
+
+
+def _round_up(amax_bits, f: Format, scale_mode: str):
+    """Whether the block exponent is one above floor(log2(amax)) - emax, per scale mode."""
+    mantissa = amax_bits & _bits.MANTISSA_MASK
+    if scale_mode == "floor":
+        return jnp.zeros_like(mantissa)
+    if scale_mode == "ceil":
+        return mantissa != 0
+    if scale_mode == "rceil":  # amax / elem_max > 2^k  <=>  mantissa(amax) > mantissa(elem_max)
+        return mantissa > f.elem_max_mantissa
+    half_ulp = 1 << (_bits.MANTISSA_BITS - f.mbits - 1)  # "even": does rounding amax carry?
+    return mantissa + half_ulp > _bits.MANTISSA_MASK
+
+
+def _round_stochastically(scaled, f: Format, key):
+    """Rounds ``scaled`` to the element grid up or down with probability by distance."""
+    magnitude = jnp.abs(scaled)
+    exponent = (_bits.to_bits(magnitude) >> _bits.MANTISSA_BITS) - _bits.EXPONENT_BIAS
+    quantum_exp = jnp.maximum(exponent, f.emin) - f.mbits
+    units = magnitude * _bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
+    noise = jax.random.uniform(key, scaled.shape, jnp.float32)
+    rounded = jnp.floor(units + noise) * _bits.pow2(quantum_exp)
+    return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
+
+
+def _decode(data: jax.Array, f: Format) -> jax.Array:
+    if data.dtype != f.dtype:
+        raise TypeError(f"MXArray of format {f.name} must hold {f.dtype} data, got {data.dtype}")
+    return data.astype(jnp.float32)
+
+
+def _scale_byte(scale: jax.Array) -> jax.Array:
+    if scale.dtype != jnp.float8_e8m0fnu:
+        raise TypeError(f"MX scales must be float8_e8m0fnu, got {scale.dtype}")
+    return lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)

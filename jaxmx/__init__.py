@@ -7,9 +7,14 @@ Example:
     64.0
 """
 
+from jaxmx import recipes
+from jaxmx.dot_general import dot_general
+from jaxmx.einsum import einsum
 from jaxmx.formats import FORMATS, SCALE_MODES, Format
+from jaxmx.matmul import matmul
 from jaxmx.mxarray import MXArray
 from jaxmx.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx.recipes import Recipe
 from jaxmx.swizzle import swizzle_scales, unswizzle_scales
 
 __all__ = [
@@ -17,9 +22,14 @@ __all__ = [
     "SCALE_MODES",
     "Format",
     "MXArray",
+    "Recipe",
     "dequantize",
+    "dot_general",
+    "einsum",
+    "matmul",
     "quantize",
     "quantize_rowwise_colwise",
+    "recipes",
     "swizzle_scales",
     "unswizzle_scales",
 ]

@@ -1,0 +1,203 @@
+"""``jaxmx.dot_general``: a drop-in for ``lax.dot_general`` that trains in MX formats.
+
+Every GEMM runs on operands quantized along its own reduction axis (DESIGN section 4). With
+``x [M, K]``, ``w [N, K]`` and the output gradient ``g [M, N]``:
+
+========  ========  =========  ============================  ============================
+GEMM      result    reduction  lhs operand                   rhs operand
+========  ========  =========  ============================  ============================
+fprop     y [M, N]  K          x rowwise [M, K] along K      w rowwise [N, K] along K
+dgrad     dx [M, K] N          g rowwise [M, N] along N      w colwise [K, N] along N
+wgrad     dw [N, K] M          g colwise [N, M] along M      x colwise [K, M] along M
+========  ========  =========  ============================  ============================
+
+Any ``dimension_numbers`` are reduced to this form by transposes and reshapes: batch dimensions
+become a leading batch of independent GEMMs, several contracting dimensions merge into one K.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmx
+    >>> x = jnp.ones((8, 64)); w = jnp.ones((16, 64))
+    >>> y = jaxmx.dot_general(x, w, (((1,), (1,)), ((), ())))
+    >>> y.shape, y[0, 0].item()
+    ((8, 16), 64.0)
+    >>> dw = jax.grad(lambda w: jaxmx.dot_general(x, w, (((1,), (1,)), ((), ()))).sum())(w)
+    >>> dw[0, 0].item()
+    8.0
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmx.matmul import matmul, resolve_backend
+from jaxmx.mxarray import MXArray
+from jaxmx.quantize import quantize
+from jaxmx.recipes import MXFP8, Recipe
+
+LHS_COLWISE = "jaxmx_lhs_colwise"
+RHS_COLWISE = "jaxmx_rhs_colwise"
+LHS_INPUT = "jaxmx_lhs"
+RHS_INPUT = "jaxmx_rhs"
+"""``checkpoint_name`` s of the residuals (quantized default, then high precision), for remat
+policies such as ``jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE)``."""
+
+_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe = MXFP8,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """``lax.dot_general`` with MX-quantized forward, dgrad and wgrad GEMMs.
+
+    Args:
+        lhs, rhs: float32, bfloat16 or float16 arrays.
+        dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` as
+            for ``lax.dot_general``.
+        precision: accepted for signature compatibility and ignored: the recipe defines the
+            precision of the products (exact MX products, float32 accumulation).
+        preferred_element_type: the output dtype; default the promoted input dtype.
+        recipe: a :class:`jaxmx.Recipe`.
+        key: a PRNG key, required when ``recipe.grad_rounding == "stochastic"`` (pass a fresh key
+            each step, e.g. ``jax.random.fold_in(key, step)``); ignored otherwise. The gradient's
+            rowwise and columnwise copies use ``fold_in(key, 0)`` and ``fold_in(key, 1)``.
+
+    Returns:
+        An array shaped like ``lax.dot_general``'s result: batch dims, lhs free dims, rhs free dims.
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    for name, a in (("lhs", lhs), ("rhs", rhs)):
+        if a.dtype not in _INPUT_DTYPES:
+            raise TypeError(
+                f"jaxmx.dot_general: {name} must be float32, bfloat16 or float16, got {a.dtype}"
+            )
+    if recipe.grad_rounding == "stochastic" and key is None:
+        raise ValueError("recipe.grad_rounding='stochastic' needs a PRNG key: pass key=...")
+    if recipe.grad_rounding == "nearest":
+        key = None
+    dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
+    w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
+    batch_shape = x.shape[: len(dims.lhs_batch)]
+    m_shape = x.shape[len(dims.lhs_batch) : len(dims.lhs_batch) + len(dims.lhs_free)]
+    n_shape = w.shape[len(dims.rhs_batch) : len(dims.rhs_batch) + len(dims.rhs_free)]
+    k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
+    b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
+    static = _Static(recipe.replace(backend=resolve_backend(recipe.backend)), out_dtype)
+    y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
+    return y.reshape(batch_shape + m_shape + n_shape)
+
+
+class _Static(NamedTuple):
+    recipe: Recipe
+    out_dtype: jnp.dtype
+
+
+class _Dims(NamedTuple):
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+    @classmethod
+    def of(cls, lhs_shape, rhs_shape, dimension_numbers) -> _Dims:
+        try:
+            (lc, rc), (lb, rb) = dimension_numbers
+            lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
+        except (TypeError, ValueError):
+            raise ValueError(
+                "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+                f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+            ) from None
+        for side, shape, ds in (("lhs", lhs_shape, lc + lb), ("rhs", rhs_shape, rc + rb)):
+            if any(not 0 <= d < len(shape) for d in ds) or len(set(ds)) != len(ds):
+                raise ValueError(
+                    f"dimension_numbers {dimension_numbers!r}: {side} dimensions {ds} must be "
+                    f"distinct and within its rank {len(shape)}"
+                )
+        for kind, ls, rs in (("contracting", lc, rc), ("batch", lb, rb)):
+            lsizes = tuple(lhs_shape[d] for d in ls)
+            rsizes = tuple(rhs_shape[d] for d in rs)
+            if lsizes != rsizes:
+                raise ValueError(
+                    f"jaxmx.dot_general: {kind} dimensions differ in size: lhs {ls} has "
+                    f"{lsizes}, rhs {rs} has {rsizes}"
+                )
+        lf = tuple(d for d in range(len(lhs_shape)) if d not in lc + lb)
+        rf = tuple(d for d in range(len(rhs_shape)) if d not in rc + rb)
+        return cls(lc, rc, lb, rb, lf, rf)
+
+
+# --- the custom-VJP core on canonical operands x [B, M, K], w [B, N, K] ---------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mx_bmm(static: _Static, x, w, key):
+    y, _ = _mx_bmm_fwd(static, x, w, key)
+    return y
+
+
+def _mx_bmm_fwd(static: _Static, x, w, key):
+    r = static.recipe
+    y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
+    if r.residuals == "quantized":
+        saved = (
+            _named(_colwise_t(x, r.fwd, r), LHS_COLWISE),
+            _named(_colwise_t(w, r.fwd, r), RHS_COLWISE),
+        )
+    else:
+        saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
+    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))  # carries the input dtypes
+    return y, (saved, dtypes, key)
+
+
+def _mx_bmm_bwd(static: _Static, residuals, g):
+    r = static.recipe
+    (x_saved, w_saved), (x_dtype, w_dtype), key = residuals
+    if r.residuals == "quantized":
+        x_col, w_col = x_saved, w_saved
+    else:
+        x_col, w_col = _colwise_t(x_saved, r.fwd, r), _colwise_t(w_saved, r.fwd, r)
+    row_key = col_key = None
+    if key is not None:
+        row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
+    g_col = _colwise_t(g, r.grad, r, col_key)  # [B, N, M] along M
+    dx = matmul(g_row, w_col, x_dtype.dtype, r.backend)  # [B, M, K]
+    dw = matmul(g_col, x_col, w_dtype.dtype, r.backend)  # [B, N, K]
+    return dx, dw, None
+
+
+_mx_bmm.defvjp(_mx_bmm_fwd, _mx_bmm_bwd)
+
+
+def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
+    return quantize(x, fmt, axis=-1, scale_mode=r.scale_mode, key=key)
+
+
+def _colwise_t(x, fmt: str, r: Recipe, key=None) -> MXArray:
+    """x [B, M, K] quantized along M, stored transposed: [B, K, M], blocks along the last axis."""
+    q = quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2])
+    return MXArray(q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2), q.fmt, x.ndim - 1, shape)
+
+
+def _named(q: MXArray, name: str) -> MXArray:
+    return jax.tree.map(lambda a: checkpoint_name(a, name), q)

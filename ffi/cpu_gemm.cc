@@ -1,0 +1,246 @@
+// CPU handlers of jaxmx_mx_matmul and jaxmx_fp8_matmul: the MX GEMM computed from the same
+// operands the cuBLASLt handler receives (fp8 codes, swizzled E8M0 scales), in plain C++.
+//
+// Numerics: every fp8 code and E8M0 scale is decoded exactly. Within a 32-element block the
+// products are summed in float64, which is exact for E4M3 x E4M3 (a product has at most 8
+// significant bits and spans 2^-18..2^17.6, so 32 of them fit in 53 bits) and within one rounding
+// for the E5M2 combinations. The block sum is scaled by 2^(sa + sb - 254) exactly, rounded once
+// to float32 and accumulated over K in float32, block after block: the float32 accumulation of
+// the GPU, with exact products. NaN scales (0xFF) and NaN codes propagate. The handler runs with
+// IEEE subnormals (it clears the flush-to-zero bits XLA's CPU threads may set, and restores them).
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "handlers.h"
+#include "mx_common.h"
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <xmmintrin.h>
+#define JAXMX_X86 1
+#endif
+
+namespace jaxmx {
+namespace {
+
+// Clears flush-to-zero / denormals-are-zero for the handler's duration.
+class IeeeSubnormals {
+ public:
+  IeeeSubnormals() {
+#if defined(JAXMX_X86)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~(0x8000u | 0x0040u));  // FTZ, DAZ
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    fpcr &= ~(uint64_t{1} << 24);  // FZ
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr));
+#endif
+  }
+  ~IeeeSubnormals() {
+#if defined(JAXMX_X86)
+    _mm_setcsr(static_cast<unsigned>(saved_));
+#elif defined(__aarch64__)
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_));
+#endif
+  }
+  IeeeSubnormals(const IeeeSubnormals&) = delete;
+  IeeeSubnormals& operator=(const IeeeSubnormals&) = delete;
+
+ private:
+  uint64_t saved_ = 0;
+};
+
+using Table = std::array<double, 256>;
+
+const Table& DecodeTable(ffi::DataType t) {
+  static const Table e4m3 = [] {
+    Table tb;
+    for (int c = 0; c < 256; ++c) tb[c] = DecodeE4M3(static_cast<uint8_t>(c));
+    return tb;
+  }();
+  static const Table e5m2 = [] {
+    Table tb;
+    for (int c = 0; c < 256; ++c) tb[c] = DecodeE5M2(static_cast<uint8_t>(c));
+    return tb;
+  }();
+  return t == ffi::DataType::F8E4M3FN ? e4m3 : e5m2;
+}
+
+// 2^(i - 254) for i = byte_a + byte_b in [0, 508]: the product of two E8M0 scales, exact.
+const std::array<double, 509>& ScaleProducts() {
+  static const std::array<double, 509> table = [] {
+    std::array<double, 509> tb;
+    for (int i = 0; i < 509; ++i) tb[i] = std::ldexp(1.0, i - 254);
+    return tb;
+  }();
+  return table;
+}
+
+constexpr int64_t kTile = 4;    // micro-tile: 4 lhs rows x 4 rhs rows
+constexpr int64_t kPanel = 64;  // rhs rows decoded at a time (a panel of K-long rows)
+
+struct Operands {
+  const uint8_t* lhs;        // [m, k] codes
+  const uint8_t* rhs;        // [n, k] codes
+  const uint8_t* lhs_scale;  // swizzled (mx) or nullptr
+  const uint8_t* rhs_scale;
+  double tensor_scale;  // per-tensor mode: lhs_scale * rhs_scale; 1 in mx mode
+};
+
+template <typename Store>
+void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int64_t kp = RoundUp(k, kBlock), nb = kp / kBlock;
+  const int64_t mp = RoundUp(m, kTile);
+  const Table& ta = DecodeTable(p.lhs_type);
+  const Table& tb = DecodeTable(p.rhs_type);
+  const auto& pow2 = ScaleProducts();
+
+  // Scale bytes per row and K-block, read from the swizzled layout (127 = 2^0 without scales).
+  const int64_t cols_padded = RoundUp(nb, kColTile);
+  std::vector<uint8_t> sa(mp * nb, 127), sb(RoundUp(n, kTile) * nb, 127);
+  if (op.lhs_scale != nullptr) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = 0; c < nb; ++c) sa[r * nb + c] = op.lhs_scale[SwizzledOffset(r, c, cols_padded)];
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < nb; ++c) sb[r * nb + c] = op.rhs_scale[SwizzledOffset(r, c, cols_padded)];
+  }
+
+  // lhs decoded to float64 rows of kp (zero padded), all at once.
+  std::vector<double> a(mp * kp, 0.0);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; ++c) a[r * kp + c] = ta[op.lhs[r * k + c]];
+
+  // rhs decoded one panel at a time, interleaved by 4 rows: b[(j / 4) * kp * 4 + c * 4 + j % 4].
+  std::vector<double> b(kPanel * kp, 0.0);
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    const int64_t rows = std::min(kPanel, n - j0), tiles = (rows + kTile - 1) / kTile;
+    std::fill(b.begin(), b.end(), 0.0);
+    for (int64_t jj = 0; jj < rows; ++jj) {
+      const uint8_t* src = op.rhs + (j0 + jj) * k;
+      double* dst = b.data() + (jj / kTile) * kp * kTile + jj % kTile;
+      for (int64_t c = 0; c < k; ++c) dst[c * kTile] = tb[src[c]];
+    }
+    for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t jt = j0 + t * kTile;
+        const double* bt = b.data() + t * kp * kTile;
+        float acc[kTile][kTile] = {};
+        for (int64_t blk = 0; blk < nb; ++blk) {
+          double s[kTile][kTile] = {};
+          const int64_t c0 = blk * kBlock;
+          for (int64_t c = c0; c < c0 + kBlock; ++c) {
+            const double* bv = bt + c * kTile;
+            for (int64_t ii = 0; ii < kTile; ++ii) {
+              const double av = a[(i0 + ii) * kp + c];
+              for (int64_t jj = 0; jj < kTile; ++jj) s[ii][jj] += av * bv[jj];
+            }
+          }
+          for (int64_t ii = 0; ii < kTile; ++ii) {
+            const int ea = sa[(i0 + ii) * nb + blk];
+            for (int64_t jj = 0; jj < kTile; ++jj) {
+              const int eb = sb[(jt + jj) * nb + blk];
+              const double v = (ea == kE8M0NaN || eb == kE8M0NaN)
+                                   ? std::numeric_limits<double>::quiet_NaN()
+                                   : s[ii][jj] * pow2[ea + eb];
+              acc[ii][jj] += static_cast<float>(v);
+            }
+          }
+        }
+        for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii)
+          for (int64_t jj = 0; jj < kTile && jt + jj < n; ++jj) {
+            float v = acc[ii][jj];
+            if (op.tensor_scale != 1.0) v = static_cast<float>(v * op.tensor_scale);
+            store((i0 + ii) * n + jt + jj, v);
+          }
+      }
+    }
+  }
+}
+
+ffi::Error RunGemm(const char* target, ScaleKind kind, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                   ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                   ffi::Result<ffi::AnyBuffer> out) {
+  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
+  if (checked.has_error()) return checked.error();
+  const GemmProblem& p = *checked;
+  IeeeSubnormals ieee;
+  const auto* a = static_cast<const uint8_t*>(lhs.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(rhs.untyped_data());
+  void* o = out->untyped_data();
+  const int64_t mn = p.m * p.n;
+  for (int64_t g = 0; g < p.batch; ++g) {
+    Operands op{a + g * p.m * p.k, b + g * p.n * p.k, nullptr, nullptr, 1.0};
+    if (kind == ScaleKind::kBlockE8M0) {
+      op.lhs_scale = static_cast<const uint8_t*>(lhs_scale.untyped_data()) + g * p.lhs_scale_stride;
+      op.rhs_scale = static_cast<const uint8_t*>(rhs_scale.untyped_data()) + g * p.rhs_scale_stride;
+    } else {
+      const float sa = static_cast<const float*>(lhs_scale.untyped_data())[g];
+      const float sb = static_cast<const float*>(rhs_scale.untyped_data())[g];
+      op.tensor_scale = static_cast<double>(sa) * static_cast<double>(sb);
+    }
+    switch (p.out_type) {
+      case ffi::DataType::F32: {
+        float* dst = static_cast<float*>(o) + g * mn;
+        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = v; });
+        break;
+      }
+      case ffi::DataType::BF16: {
+        uint16_t* dst = static_cast<uint16_t*>(o) + g * mn;
+        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = FloatToBf16(v); });
+        break;
+      }
+      default: {  // F16 (CheckGemm admits nothing else)
+        uint16_t* dst = static_cast<uint16_t*>(o) + g * mn;
+        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = FloatToF16(v); });
+        break;
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MxMatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                           ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> /*workspace: used by cuBLASLt only*/) {
+  return RunGemm("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, lhs, rhs, lhs_scale, rhs_scale, out);
+}
+
+ffi::Error Fp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                            ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> /*workspace*/) {
+  return RunGemm("jaxmx_fp8_matmul", ScaleKind::kTensorF32, lhs, rhs, lhs_scale, rhs_scale, out);
+}
+
+}  // namespace
+
+void UnswizzleScales(const uint8_t* buf, int64_t rows, int64_t cols, uint8_t* out) {
+  const int64_t cols_padded = RoundUp(cols, kColTile);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = buf[SwizzledOffset(r, c, cols_padded)];
+}
+
+}  // namespace jaxmx
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCpu, jaxmx::MxMatmulCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scales, swizzled u8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scales, swizzled u8
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCpu, jaxmx::Fp8MatmulCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scale f32 [...]
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scale f32 [...]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)

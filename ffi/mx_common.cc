@@ -1,0 +1,139 @@
+#include "mx_common.h"
+
+#include <sstream>
+#include <vector>
+
+namespace jaxmx {
+
+const char* DataTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E4M3: return "float8_e4m3";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
+    case ffi::DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
+    case ffi::DataType::F4E2M1FN: return "float4_e2m1fn";
+    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
+    default: return "an unsupported element type";
+  }
+}
+
+namespace {
+
+std::string Shape(const ffi::AnyBuffer& b) {
+  std::ostringstream os;
+  os << "[";
+  const auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
+  os << "]";
+  return os.str();
+}
+
+ffi::Unexpected<ffi::Error> Invalid(const char* target, const std::string& what) {
+  return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(std::string(target) + ": " + what));
+}
+
+}  // namespace
+
+ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
+                                    const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
+                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out) {
+  GemmProblem p;
+  p.lhs_type = lhs.element_type();
+  p.rhs_type = rhs.element_type();
+  p.out_type = out.element_type();
+  if (!IsFp8(p.lhs_type))
+    return Invalid(target, std::string("lhs must be float8_e4m3fn or float8_e5m2, got ") +
+                               DataTypeName(p.lhs_type));
+  if (!IsFp8(p.rhs_type))
+    return Invalid(target, std::string("rhs must be float8_e4m3fn or float8_e5m2, got ") +
+                               DataTypeName(p.rhs_type));
+  if (!IsGemmOutput(p.out_type))
+    return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
+                               DataTypeName(p.out_type));
+
+  const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
+  const size_t rank = ld.size();
+  if (rank < 2)
+    return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
+  if (rd.size() != rank || od.size() != rank)
+    return Invalid(target, "lhs " + Shape(lhs) + ", rhs " + Shape(rhs) + " and output " +
+                               Shape(out) + " must have the same rank");
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    if (rd[i] != ld[i] || od[i] != ld[i])
+      return Invalid(target, "batch dimensions differ: lhs " + Shape(lhs) + ", rhs " +
+                                 Shape(rhs) + ", output " + Shape(out));
+    p.batch *= ld[i];
+  }
+  p.m = ld[rank - 2];
+  p.k = ld[rank - 1];
+  p.n = rd[rank - 2];
+  if (rd[rank - 1] != p.k)
+    return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " +
+                               Shape(rhs) + " (operands are [M, K] and [N, K])");
+  if (od[rank - 2] != p.m || od[rank - 1] != p.n)
+    return Invalid(target, "the output must have shape [..., " + std::to_string(p.m) + ", " +
+                               std::to_string(p.n) + "], got " + Shape(out));
+
+  if (kind == ScaleKind::kBlockE8M0) {
+    if (p.k % kBlock != 0)
+      return Invalid(target, "K must be a multiple of 32 for MX block scaling, got K = " +
+                                 std::to_string(p.k));
+    const int64_t kb = p.k / kBlock;
+    const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
+    const int64_t rows[2] = {p.m, p.n};
+    const char* names[2] = {"lhs", "rhs"};
+    for (int s = 0; s < 2; ++s) {
+      const ffi::AnyBuffer& sc = *scales[s];
+      const auto t = sc.element_type();
+      if (t != ffi::DataType::U8 && t != ffi::DataType::F8E8M0FNU)
+        return Invalid(target, std::string(names[s]) +
+                                   " scales must be uint8 or float8_e8m0fnu (swizzled), got " +
+                                   DataTypeName(t));
+      const auto sd = sc.dimensions();
+      const int64_t want = SwizzledSize(rows[s], kb);
+      bool ok = sd.size() == rank - 1 && sd[rank - 2] == want;
+      for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
+      if (!ok) {
+        std::vector<int64_t> expect(ld.begin(), ld.end() - 2);
+        std::ostringstream os;
+        os << names[s] << " scales must be the swizzled [..., " << want << "] bytes of a ["
+           << rows[s] << ", " << kb << "] scale matrix (roundup(" << rows[s] << ", 128) * roundup("
+           << kb << ", 4)), got " << Shape(sc);
+        return Invalid(target, os.str());
+      }
+    }
+    p.lhs_scale_stride = SwizzledSize(p.m, kb);
+    p.rhs_scale_stride = SwizzledSize(p.n, kb);
+  } else {
+    const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
+    const char* names[2] = {"lhs", "rhs"};
+    for (int s = 0; s < 2; ++s) {
+      const ffi::AnyBuffer& sc = *scales[s];
+      if (sc.element_type() != ffi::DataType::F32)
+        return Invalid(target, std::string(names[s]) + " scale must be float32, got " +
+                                   DataTypeName(sc.element_type()));
+      if (static_cast<int64_t>(sc.element_count()) != p.batch)
+        return Invalid(target, std::string(names[s]) + " scale must hold one float32 per GEMM (" +
+                                   std::to_string(p.batch) + "), got shape " + Shape(sc));
+    }
+    p.lhs_scale_stride = 1;
+    p.rhs_scale_stride = 1;
+  }
+  return p;
+}
+
+}  // namespace jaxmx

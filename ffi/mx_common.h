@@ -1,0 +1,143 @@
+// Shared pieces of the jaxmx native GEMM: the cuBLAS scale layout, the fp8 / E8M0 decoders and the
+// operand checks that every handler (CPU and CUDA) runs before touching memory.
+#ifndef JAXMX_FFI_MX_COMMON_H_
+#define JAXMX_FFI_MX_COMMON_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxmx {
+
+namespace ffi = xla::ffi;
+
+inline constexpr int64_t kBlock = 32;    // elements per E8M0 scale (MXFP8)
+inline constexpr int64_t kRowTile = 128;  // scale tile: 128 rows ...
+inline constexpr int64_t kColTile = 4;    // ... by 4 K-blocks, 512 bytes
+
+inline constexpr int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// Bytes of the swizzled scale buffer of one [rows, cols] scale matrix (padding included).
+inline constexpr int64_t SwizzledSize(int64_t rows, int64_t cols) {
+  return RoundUp(rows, kRowTile) * RoundUp(cols, kColTile);
+}
+
+// Offset of scale (r, c) in the cuBLAS 128x4 tiled layout (DESIGN.md section 5), where `cols_padded`
+// is the number of K-blocks rounded up to a multiple of 4.
+inline constexpr int64_t SwizzledOffset(int64_t r, int64_t c, int64_t cols_padded) {
+  return ((r / 128) * (cols_padded / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 +
+         (c % 4);
+}
+
+// --- element decoding ------------------------------------------------------------------------
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Exact value of an OCP E4M3 ("fn": no infinities, S.1111.111 is NaN) byte.
+inline float DecodeE4M3(uint8_t code) {
+  const int sign = code >> 7, exponent = (code >> 3) & 0xF, mantissa = code & 0x7;
+  float magnitude;
+  if (exponent == 0xF && mantissa == 0x7) {
+    magnitude = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m * 2^-6 / 8
+  } else {
+    magnitude = std::ldexp(static_cast<float>(8 + mantissa), exponent - 7 - 3);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+// Exact value of an E5M2 byte (IEEE-like: 0x7C is infinity, 0x7D..0x7F NaN).
+inline float DecodeE5M2(uint8_t code) {
+  const int sign = code >> 7, exponent = (code >> 2) & 0x1F, mantissa = code & 0x3;
+  float magnitude;
+  if (exponent == 0x1F) {
+    magnitude = mantissa == 0 ? std::numeric_limits<float>::infinity()
+                              : std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -16);  // m * 2^-14 / 4
+  } else {
+    magnitude = std::ldexp(static_cast<float>(4 + mantissa), exponent - 15 - 2);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+inline constexpr uint8_t kE8M0NaN = 0xFF;
+
+// --- output encoding (round to nearest even, like XLA's converts) ----------------------------
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatToBits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t FloatToF16(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a >= 0x7F800000u) return sign | (a > 0x7F800000u ? 0x7E00 : 0x7C00);  // NaN / inf
+  if (a >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds to infinity
+  if (a >= 0x38800000u) {                     // normal half: rebias and round at bit 13
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23);
+    return sign | static_cast<uint16_t>(r >> 13);
+  }
+  // Subnormal half (units of 2^-24): integer round-to-nearest-even of the significand.
+  const int exponent = static_cast<int>(a >> 23);
+  if (exponent == 0) return sign;  // float32 subnormals are far below 2^-25
+  const uint32_t significand = (a & 0x7FFFFFu) | 0x800000u;
+  const int shift = 126 - exponent;  // value = significand * 2^(exponent - 150)
+  if (shift > 24) return sign;
+  uint32_t q = significand >> shift;
+  const uint32_t rest = significand & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (q & 1u))) ++q;
+  return sign | static_cast<uint16_t>(q);
+}
+
+// --- operand checks --------------------------------------------------------------------------
+
+const char* DataTypeName(ffi::DataType t);
+
+inline bool IsFp8(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;
+}
+
+inline bool IsGemmOutput(ffi::DataType t) {
+  return t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32;
+}
+
+// The problem a handler was called with: `batch` independent GEMMs
+// out[b] [m, n] = lhs[b] [m, k] . rhs[b] [n, k]^T, all row-major.
+struct GemmProblem {
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  ffi::DataType lhs_type{}, rhs_type{}, out_type{};
+  int64_t lhs_scale_stride = 0, rhs_scale_stride = 0;  // bytes (mx) or elements (per-tensor)
+};
+
+enum class ScaleKind { kBlockE8M0, kTensorF32 };
+
+// Checks element types and shapes of a jaxmx GEMM call and derives its problem. Every handler calls
+// this first, so malformed calls (e.g. a raw jax.ffi.ffi_call that skips the Python checks) fail
+// with a readable message instead of reading out of bounds.
+ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
+                                    const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
+                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out);
+
+}  // namespace jaxmx
+
+#endif  // JAXMX_FFI_MX_COMMON_H_

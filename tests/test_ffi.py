@@ -1,0 +1,433 @@
+"""The native GEMM (jaxmx.ffi and the jaxmx._ffi extension), checked on the CPU handler.
+
+The reference here is numpy + ml_dtypes only: fp8 codes decoded by ml_dtypes, scales as
+2.0 ** (byte - 127), a float64 GEMM. The swizzle formula is written out from DESIGN.md section 5.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import site
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxmx
+from jaxmx import _ffi, ffi
+from jaxmx.mxarray import MXArray
+
+E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
+FP8_DTYPE = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
+OUT_EPS = {jnp.float32: 0.0, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
+OUT_TINY = {jnp.float32: 0.0, jnp.bfloat16: 2.0**-133, jnp.float16: 2.0**-24}
+
+# One compile per shape instead of one per primitive (eager quantize is slow to warm up).
+quantize = jax.jit(jaxmx.quantize, static_argnames=("fmt", "axis"))
+
+
+# --- reference --------------------------------------------------------------------------------
+
+
+def decode_mx(q: MXArray) -> np.ndarray:
+    """float64 values of an MXArray's padded data, without jaxmx code."""
+    codes = np.asarray(q.data).astype(np.float64)
+    byte = np.asarray(q.scale).view(np.uint8).astype(np.float64)
+    scale = np.where(byte == 255, np.nan, 2.0 ** (byte - 127))
+    return codes * np.repeat(scale, 32, axis=-1)
+
+
+def ref_mx_matmul(a: MXArray, b: MXArray):
+    """(float64 GEMM, float64 sum of |products|) over the padded operands."""
+    x, y = decode_mx(a), decode_mx(b)
+    return np.einsum("...mk,...nk->...mn", x, y), np.einsum("...mk,...nk->...mn", abs(x), abs(y))
+
+
+def assert_gemm_close(out, exact, abs_sum, k, out_dtype):
+    """|out - exact| within float32 summation over the K-blocks plus the output rounding."""
+    out = np.asarray(out).astype(np.float64)
+    blocks = -(-k // 32)
+    tol = (blocks + 2) * 2.0**-24 * abs_sum + OUT_EPS[out_dtype] * np.abs(exact)
+    tol += OUT_TINY[out_dtype] + blocks * 2.0**-149  # float32 underflow of each block's sum
+    err = np.abs(out - exact)
+    bad = ~(err <= tol)
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} entries off; worst err {err[bad].max()} tol {tol[bad].min()}"
+    )
+
+
+def random_mx(key, shape, fmt, spread=8):
+    """Quantized normal data whose rows span 2^-spread .. 2^spread (so scales vary)."""
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, shape, jnp.float32)
+    x = x * 2.0 ** jax.random.randint(k2, (*shape[:-1], 1), -spread, spread + 1)
+    return quantize(x, fmt)
+
+
+def random_codes_mx(rng, rows, k, fmt, byte_range=(110, 140)):
+    """An MXArray of random finite codes (every code of the format occurs) and random scale
+    bytes, K zero-padded to a multiple of 32 like MXArray does."""
+    dtype = FP8_DTYPE[fmt]
+    kp = -(-k // 32) * 32
+    codes = rng.integers(0, 256, (rows, kp), dtype=np.uint8)
+    finite = np.isfinite(codes.view(dtype).astype(np.float32))
+    codes = np.where(finite, codes, 0).astype(np.uint8)
+    codes[:, k:] = 0
+    scale = rng.integers(*byte_range, (rows, kp // 32), dtype=np.uint8)
+    return MXArray(
+        jnp.asarray(codes.view(dtype)),
+        jnp.asarray(scale.view(ml_dtypes.float8_e8m0fnu)),
+        fmt,
+        1,
+        (rows, k),
+    )
+
+
+# --- the GEMM against numpy ---------------------------------------------------------------------
+
+SHAPES = [  # (M, N, K): M/N not multiples of 128, K not a multiple of 32, M = 1
+    (1, 1, 1),
+    (1, 17, 40),
+    (5, 3, 32),
+    (7, 130, 100),
+    (130, 9, 64),
+    (33, 70, 257),
+]
+
+
+# Scale bytes per output dtype keep float16 results finite (|value| < 65504).
+BYTES = {jnp.float32: (100, 150), jnp.bfloat16: (90, 160), jnp.float16: (100, 112)}
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize(
+    "fmts,out_dtype",
+    [
+        ((E4M3, E4M3), jnp.float32),
+        ((E4M3, E5M2), jnp.bfloat16),
+        ((E5M2, E4M3), jnp.float16),
+        ((E5M2, E5M2), jnp.float32),
+    ],
+)
+def test_mx_matmul_matches_numpy(m, n, k, fmts, out_dtype):
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    a = random_codes_mx(rng, m, k, fmts[0], BYTES[out_dtype])
+    b = random_codes_mx(rng, n, k, fmts[1], BYTES[out_dtype])
+    out = ffi.mx_matmul(a, b, out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    exact, abs_sum = ref_mx_matmul(a, b)
+    assert_gemm_close(out, exact, abs_sum, k, out_dtype)
+
+
+def test_quantized_operands_match_numpy():
+    """Real quantize() output: rows spanning 2^-8..2^8, K = 100 padded to 128, E4M3 x E5M2."""
+    a = random_mx(jax.random.key(0), (37, 100), E4M3)
+    b = random_mx(jax.random.key(1), (45, 100), E5M2)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        exact, abs_sum = ref_mx_matmul(a, b)
+        assert_gemm_close(ffi.mx_matmul(a, b, out_dtype), exact, abs_sum, 100, out_dtype)
+
+
+@pytest.mark.parametrize("fmts", [(E4M3, E4M3), (E5M2, E4M3), (E5M2, E5M2)])
+def test_all_scale_bytes(fmts):
+    rng = np.random.default_rng(1)
+    a = random_codes_mx(rng, 19, 96, fmts[0], (0, 171))  # 2^-127..2^43
+    b = random_codes_mx(rng, 45, 96, fmts[1], (0, 171))
+    exact, abs_sum = ref_mx_matmul(a, b)
+    assert_gemm_close(ffi.mx_matmul(a, b, jnp.float32), exact, abs_sum, 96, jnp.float32)
+
+
+def test_one_block_e4m3_is_exact_then_rounded_once():
+    """K = 32, E4M3: the block sum is exact, so float32 output == float32(exact)."""
+    rng = np.random.default_rng(2)
+    a = random_codes_mx(rng, 40, 32, E4M3, (100, 160))
+    b = random_codes_mx(rng, 50, 32, E4M3, (100, 160))
+    exact, _ = ref_mx_matmul(a, b)
+    out = np.asarray(ffi.mx_matmul(a, b, jnp.float32))
+    np.testing.assert_array_equal(out, exact.astype(np.float32))
+
+
+def test_subnormal_results_are_kept():
+    """Scales near 2^-127 give float32-subnormal results; the handler must not flush them."""
+    a = MXArray(
+        jnp.ones((2, 32), jnp.float8_e4m3fn),
+        jnp.asarray(np.full((2, 1), 2, np.uint8).view(ml_dtypes.float8_e8m0fnu)),
+        E4M3,
+        1,
+        (2, 32),
+    )
+    out = np.asarray(ffi.mx_matmul(a, a, jnp.float32))  # 32 * 2^-125 * 2^-125 = 2^-245 -> 0
+    assert (out == 0).all()
+    b = MXArray(
+        a.data, jnp.asarray(np.full((2, 1), 100, np.uint8).view(a.scale.dtype)), E4M3, 1, a.shape
+    )
+    out = np.asarray(ffi.mx_matmul(a, b, jnp.float32))  # 32 * 2^-125 * 2^-27 = 2^-147
+    assert out[0, 0] == np.float32(2.0**-147) and out[0, 0] > 0
+
+
+def test_nan_scale_and_nan_code_propagate():
+    x = np.ones((3, 64), np.float32)
+    x[1, 5] = np.nan  # row 1, block 0 gets the NaN scale
+    a = quantize(jnp.asarray(x))
+    b = quantize(jnp.ones((4, 64)))
+    out = np.asarray(ffi.mx_matmul(a, b, jnp.float32))
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+    np.testing.assert_array_equal(out[0], 64.0)
+
+
+def test_per_tensor_fp8_matches_numpy():
+    rng = np.random.default_rng(3)
+    for (m, n, k), (ta, tb), out_dtype, sa in [
+        ((9, 21, 48), (E4M3, E4M3), jnp.float32, 2.0**-3),
+        ((1, 40, 16), (E4M3, E5M2), jnp.bfloat16, 2.0**-3),
+        ((33, 5, 80), (E5M2, E4M3), jnp.float16, 2.0**-20),
+    ]:
+        a = random_codes_mx(rng, m, 96, ta).data[:, :k]
+        b = random_codes_mx(rng, n, 96, tb).data[:, :k]
+        sa, sb = np.float32(sa), np.float32(0.75)
+        out = ffi.fp8_matmul(a, b, sa, sb, out_dtype)
+        x = np.asarray(a).astype(np.float64) * float(sa)
+        y = np.asarray(b).astype(np.float64) * float(sb)
+        exact = x @ y.T
+        assert_gemm_close(out, exact, np.abs(x) @ np.abs(y).T, k, out_dtype)
+
+
+def test_per_tensor_fp8_batched_scales_and_vmap():
+    rng = np.random.default_rng(4)
+    a = jnp.stack([random_codes_mx(rng, 6, 32, E4M3).data for _ in range(3)])
+    b = jnp.stack([random_codes_mx(rng, 10, 32, E4M3).data for _ in range(3)])
+    sa = jnp.asarray([1.0, 0.5, 2.0], jnp.float32)
+    out = ffi.fp8_matmul(a, b, sa, 3.0, jnp.float32)
+    looped = jnp.stack([ffi.fp8_matmul(a[i], b[i], sa[i], 3.0, jnp.float32) for i in range(3)])
+    vmapped = jax.vmap(lambda x, y, s: ffi.fp8_matmul(x, y, s, 3.0, jnp.float32))(a, b, sa)
+    np.testing.assert_array_equal(out, looped)
+    np.testing.assert_array_equal(vmapped, looped)
+
+
+# --- jit, vmap, HLO -------------------------------------------------------------------------------
+
+
+def test_jit_hlo_contains_the_custom_call():
+    a = random_mx(jax.random.key(0), (8, 64), E4M3)
+    b = random_mx(jax.random.key(1), (16, 64), E4M3)
+    f = jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.bfloat16))
+    lowered = f.lower(a, b)
+    assert "jaxmx_mx_matmul" in lowered.as_text()
+    assert "jaxmx_mx_matmul" in lowered.compile().as_text()
+    np.testing.assert_array_equal(f(a, b), ffi.mx_matmul(a, b, jnp.bfloat16))
+    g = jax.jit(lambda x, y: ffi.fp8_matmul(x, y, 1.0, 1.0))
+    assert "jaxmx_fp8_matmul" in g.lower(a.data, b.data).as_text()
+
+
+def test_batch_dims_and_vmap_agree_with_single_calls():
+    key = jax.random.split(jax.random.key(5), 2)
+    x = jax.random.normal(key[0], (3, 20, 64))
+    w = jax.random.normal(key[1], (3, 24, 64))
+    qx, qw = quantize(x), quantize(w)
+    single = [ffi.mx_matmul(quantize(x[i]), quantize(w[i]), jnp.float32) for i in range(3)]
+    single = np.stack(single)
+    np.testing.assert_array_equal(
+        ffi.mx_matmul(qx, qw, jnp.float32), single
+    )  # [B, M, K] x [B, N, K]
+    mm = lambda p, q: ffi.mx_matmul(p, q, jnp.float32)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(mm))(qx, qw), single)
+    # lhs batched, rhs shared (folded into M); rhs batched, lhs shared (broadcast)
+    q0 = quantize(w[0])
+    ref_l = np.stack([mm(quantize(x[i]), q0) for i in range(3)])
+    np.testing.assert_array_equal(jax.vmap(mm, in_axes=(0, None))(qx, q0), ref_l)
+    ref_r = np.stack([mm(q0, quantize(x[i])) for i in range(3)])
+    np.testing.assert_array_equal(jax.vmap(mm, in_axes=(None, 0))(q0, qx), ref_r)
+    # nested vmap over a [2, 3, ...] batch
+    qx2 = jax.tree.map(lambda t: jnp.stack([t, t]), qx)
+    qw2 = jax.tree.map(lambda t: jnp.stack([t, t]), qw)
+    nested = jax.vmap(jax.vmap(mm))(qx2, qw2)
+    np.testing.assert_array_equal(nested, np.stack([single, single]))
+
+
+# --- the swizzled layout read by C++ ------------------------------------------------------------
+
+
+def design_offset(r, c, cp):
+    """DESIGN.md section 5, literally."""
+    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (2, 3), (128, 4), (129, 5), (300, 9)])
+def test_cpp_unswizzle_matches_design_formula(rows, cols):
+    rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
+    buf = np.random.default_rng(rows * cols).integers(0, 256, rp * cp, dtype=np.uint8)
+    expect = np.empty((rows, cols), np.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            expect[r, c] = buf[design_offset(r, c, cp)]
+    np.testing.assert_array_equal(_ffi.unswizzle_scales(buf, rows, cols), expect)
+    # and the JAX swizzle is its inverse
+    s = jnp.asarray(expect)
+    np.testing.assert_array_equal(
+        _ffi.unswizzle_scales(np.asarray(jaxmx.swizzle_scales(s)), rows, cols), expect
+    )
+
+
+def test_cpp_unswizzle_rejects_wrong_size():
+    with pytest.raises(ValueError, match="has 512 bytes"):
+        _ffi.unswizzle_scales(np.zeros(100, np.uint8), 2, 3)
+
+
+# --- errors: Python side ------------------------------------------------------------------------
+
+
+def test_python_side_errors():
+    a = quantize(jnp.ones((4, 64)))
+    with pytest.raises(TypeError, match="must be an MXArray"):
+        ffi.mx_matmul(jnp.ones((4, 64)), a)
+    with pytest.raises(NotImplementedError, match=r"mxfp4.*not support"):
+        ffi.mx_matmul(quantize(jnp.ones((4, 64)), "mxfp4"), a)
+    with pytest.raises(ValueError, match="contracting sizes differ"):
+        ffi.mx_matmul(a, quantize(jnp.ones((4, 96))))
+    with pytest.raises(ValueError, match="last axis"):
+        ffi.mx_matmul(quantize(jnp.ones((64, 4)), axis=0), a)
+    with pytest.raises(ValueError, match="batch dimensions differ"):
+        ffi.mx_matmul(quantize(jnp.ones((2, 4, 64))), quantize(jnp.ones((3, 4, 64))))
+    with pytest.raises(TypeError, match="out_dtype"):
+        ffi.mx_matmul(a, a, jnp.int32)
+    odd = MXArray(jnp.zeros((4, 40), jnp.float8_e4m3fn), a.scale, E4M3, 1, (4, 40))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ffi.mx_matmul(odd, odd)
+    wrong = MXArray(a.data.astype(jnp.float8_e5m2), a.scale, E4M3, 1, (4, 64))
+    with pytest.raises(TypeError, match="must hold float8_e4m3fn data"):
+        ffi.mx_matmul(wrong, a)
+    x8 = jnp.ones((4, 32), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        ffi.fp8_matmul(jnp.ones((4, 32)), x8, 1.0, 1.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ffi.fp8_matmul(x8[:, :24], x8[:, :24], 1.0, 1.0)
+    with pytest.raises(TypeError, match="e5m2 x float8_e5m2"):
+        e5 = x8.astype(jnp.float8_e5m2)
+        ffi.fp8_matmul(e5, e5, 1.0, 1.0)
+    with pytest.raises(ValueError, match="scalar or have the batch shape"):
+        ffi.fp8_matmul(x8, x8, jnp.ones(3), 1.0)
+
+
+# --- errors: C++ side (raw ffi_call, no Python checks) -------------------------------------------
+
+
+def raw_call(target, out_shape, out_dtype, *args):
+    ffi.register_targets()
+    out, _ = jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),
+    )(*args)
+    return np.asarray(out)
+
+
+def test_cpp_side_errors():
+    e4 = jnp.zeros((4, 64), jnp.float8_e4m3fn)
+    s = jnp.zeros((256,), jnp.uint8)  # roundup(4, 128) * roundup(2, 4) = 512 expected
+    s_ok = jnp.zeros((512,), jnp.uint8)
+    mx = "jaxmx_mx_matmul"
+    assert raw_call(mx, (4, 4), jnp.float32, e4, e4, s_ok, s_ok).shape == (4, 4)
+    cases = [
+        (
+            (jnp.zeros((4, 64)), e4, s_ok, s_ok),
+            (4, 4),
+            "lhs must be float8_e4m3fn or .* got float32",
+        ),
+        ((e4, e4.astype(jnp.int8), s_ok, s_ok), (4, 4), "rhs must be .* got int8"),
+        ((e4, e4, s, s_ok), (4, 4), r"lhs scales must be the swizzled \[..., 512\] bytes"),
+        ((e4, e4, s_ok, s_ok.astype(jnp.float32)), (4, 4), "rhs scales must be uint8"),
+        (
+            (e4, jnp.zeros((4, 96), jnp.float8_e4m3fn), s_ok, s_ok),
+            (4, 4),
+            "contracting sizes differ",
+        ),
+        ((e4[:, :40], e4[:, :40], s_ok, s_ok), (4, 4), "K must be a multiple of 32"),
+        ((e4, e4, s_ok, s_ok), (4, 5), r"the output must have shape \[..., 4, 4\]"),
+        ((e4[None], e4[None], s_ok[None], s_ok[None]), (4, 4), "lhs .* must have the same rank"),
+    ]
+    for args, shape, msg in cases:
+        with pytest.raises(Exception, match=f"{mx}: {msg}"):
+            raw_call(mx, shape, jnp.float32, *args)
+    with pytest.raises(Exception, match="the output must be bfloat16, float16 or float32"):
+        raw_call(mx, (4, 4), jnp.int32, e4, e4, s_ok, s_ok)
+    with pytest.raises(Exception, match="jaxmx_fp8_matmul: lhs scale must hold one float32"):
+        raw_call("jaxmx_fp8_matmul", (4, 4), jnp.float32, e4, e4, jnp.ones(2), jnp.ones(()))
+    with pytest.raises(Exception, match="jaxmx_fp8_matmul: rhs scale must be float32"):
+        raw_call("jaxmx_fp8_matmul", (4, 4), jnp.float32, e4, e4, jnp.ones(()), s_ok)
+
+
+# --- backends and the build ---------------------------------------------------------------------
+
+
+def test_backends_report():
+    report = ffi.backends()
+    assert set(report) == {"emulate", "ffi-cpu", "cublaslt"}
+    assert report["emulate"] == "available"
+    assert report["ffi-cpu"] == "available"
+    assert isinstance(report["cublaslt"], str) and report["cublaslt"]
+    assert ffi.cublaslt_supported() == (report["cublaslt"] == "available")
+    if not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
+        assert report["cublaslt"] != "available"
+
+
+def _site_dirs():
+    dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+def _cuda_headers_available() -> bool:
+    """cublasLt.h (with MX block scaling) and what it includes, in an NVIDIA wheel or toolkit."""
+    include_dirs = []
+    for d in _site_dirs():
+        include_dirs += glob.glob(os.path.join(d, "nvidia", "*", "include"))
+        include_dirs += glob.glob(os.path.join(d, "nvidia", "*", "include", "cccl"))
+    for root in (os.environ.get("JAXMX_CUDA_ROOT"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root:
+            include_dirs += [os.path.join(root, "include"), os.path.join(root, "include", "cccl")]
+
+    def find(name):
+        return next((d for d in include_dirs if os.path.exists(os.path.join(d, name))), None)
+
+    lt = find("cublasLt.h")
+    if lt is None:
+        return False
+    with open(os.path.join(lt, "cublasLt.h")) as f:
+        if "CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0" not in f.read():
+            return False
+    return all(find(h) for h in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target"))
+
+
+def test_cuda_handler_built_when_headers_present():
+    """CI installs the NVIDIA header wheels, so a CUDA compile error cannot pass unnoticed."""
+    info = _ffi.build_info()
+    assert info["has_cuda"] == _ffi.has_cuda
+    if os.environ.get("JAXMX_CUDA", "").upper() == "OFF":
+        pytest.skip("built with JAXMX_CUDA=OFF")
+    if not _cuda_headers_available():
+        assert not os.environ.get("JAXMX_REQUIRE_CUDA_BUILD"), "CUDA headers required but absent"
+        pytest.skip("no CUDA (cuBLASLt >= 12.8) headers here")
+    assert _ffi.has_cuda, "CUDA headers are installed but the cuBLASLt handler was not built"
+    assert info["cublas_header_version"] >= 120800
+    assert "CUDA" in _ffi.registrations()
+
+
+def test_cuda_libraries_resolve_when_installed():
+    """dlopen + dlsym of every cuBLASLt / CUDA runtime function the handler uses (no GPU needed)."""
+    if not _ffi.has_cuda:
+        pytest.skip("extension built without the cuBLASLt handler")
+    libs = [
+        p
+        for d in _site_dirs()
+        for p in glob.glob(os.path.join(d, "nvidia", "*", "lib", "libcublasLt.so*"))
+    ]
+    if not libs:
+        pytest.skip("no libcublasLt wheel installed")
+    info = _ffi.cuda_libraries()
+    assert info["loaded"], info["error"]
+    assert info["cublaslt_version"] >= 120800
+    assert info["cudart_version"] > 0

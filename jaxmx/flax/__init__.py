@@ -1,0 +1,25 @@
+"""Flax layers that run their matmuls through jaxmx (install with ``pip install "jaxmx[flax]"``).
+
+``import jaxmx`` never imports Flax; this subpackage does. Two APIs, one per Flax flavour:
+
+- :mod:`jaxmx.flax.linen`: ``Dense``, ``DenseGeneral``, ``Einsum`` and ``dot_general(recipe)``
+  (for the ``dot_general`` argument of stock ``flax.linen`` layers).
+- :mod:`jaxmx.flax.nnx`: ``Linear``, ``Einsum`` and ``quantize_model`` (converts an existing model's
+  ``nnx.Linear`` / ``nnx.Einsum`` layers in place).
+
+Every layer takes ``recipe=`` (default :data:`jaxmx.recipes.MXFP8`); ``recipe=None`` runs the
+plain high-precision ``lax.dot_general``, identical to the Flax layer. Parameters keep their
+``param_dtype`` (fp32 / bf16 master weights); quantization happens inside the call.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmx.flax.linen as mxl
+    >>> layer = mxl.Dense(64)
+    >>> params = layer.init(jax.random.key(0), jnp.ones((8, 32)))
+    >>> params["params"]["kernel"].dtype, layer.apply(params, jnp.ones((8, 32))).shape
+    (dtype('float32'), (8, 64))
+"""
+
+from jaxmx.flax import linen, nnx
+from jaxmx.flax._ops import MXDotGeneral, MXEinsum
+
+__all__ = ["MXDotGeneral", "MXEinsum", "linen", "nnx"]

@@ -1,0 +1,113 @@
+"""Picklable, hashable callables that bind a recipe to ``jaxmx.dot_general`` / ``jnp.einsum``.
+
+Flax stores the ``dot_general`` / ``einsum_op`` of a layer as a static attribute, so these are
+frozen dataclasses: equal recipes give equal (and equally hashed) callables, which keeps ``jit``
+caches and nnx graph definitions stable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def default_recipe():
+    """The recipe a jaxmx layer uses when none is given: :data:`jaxmx.recipes.MXFP8`."""
+    from jaxmx import recipes
+
+    return recipes.MXFP8
+
+
+@dataclasses.dataclass(frozen=True)
+class MXDotGeneral:
+    """``lax.dot_general``'s signature, computed by ``jaxmx.dot_general`` with ``recipe``.
+
+    ``recipe=None`` calls ``lax.dot_general`` itself (high precision). Also accepts the
+    ``out_sharding`` keyword that Flax passes (applied as a sharding constraint on the result).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx.flax import MXDotGeneral
+        >>> dg = MXDotGeneral()                     # jaxmx.recipes.MXFP8
+        >>> dg(jnp.ones((4, 32)), jnp.ones((32, 8)), (((1,), (0,)), ((), ()))).shape
+        (4, 8)
+    """
+
+    recipe: Any = dataclasses.field(default_factory=default_recipe)
+
+    def __call__(
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ) -> jax.Array:
+        if self.recipe is None:
+            y = lax.dot_general(
+                lhs,
+                rhs,
+                dimension_numbers,
+                precision,
+                preferred_element_type=preferred_element_type,
+            )
+        else:
+            import jaxmx
+
+            y = jaxmx.dot_general(
+                lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe
+            )
+        if out_sharding is not None:
+            y = jax.lax.with_sharding_constraint(y, out_sharding)
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class MXEinsum:
+    """Two-operand ``jnp.einsum`` computed by :func:`jaxmx.einsum` with ``recipe``.
+
+    The ``einsum_op`` of ``nnx.Einsum``; ``recipe=None`` calls ``jnp.einsum`` itself. ``precision``
+    is ignored under a recipe (the recipe fixes the products' precision), as in
+    :func:`jaxmx.dot_general`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx.flax import MXEinsum
+        >>> MXEinsum()("btd,hd->bth", jnp.ones((2, 4, 32)), jnp.ones((8, 32))).shape
+        (2, 4, 8)
+    """
+
+    recipe: Any = dataclasses.field(default_factory=default_recipe)
+
+    def __call__(
+        self,
+        subscripts,
+        lhs,
+        rhs,
+        *,
+        precision=None,
+        preferred_element_type=None,
+        out_sharding=None,
+    ) -> jax.Array:
+        if self.recipe is None:
+            return jnp.einsum(
+                subscripts,
+                lhs,
+                rhs,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                out_sharding=out_sharding,
+            )
+        import jaxmx
+
+        y = jaxmx.einsum(
+            subscripts, lhs, rhs, preferred_element_type=preferred_element_type, recipe=self.recipe
+        )
+        if out_sharding is not None:
+            y = jax.lax.with_sharding_constraint(y, out_sharding)
+        return y

@@ -1,0 +1,190 @@
+"""jaxmx.flax.nnx: Linear, Einsum and quantize_model against flax.nnx."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxmx
+import jaxmx.flax.nnx as mxnnx
+
+MX = jaxmx.recipes.MXFP8
+
+
+def _q(a, axis):
+    return jaxmx.dequantize(jaxmx.quantize(a, "mxfp8_e4m3", axis=axis))
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+@pytest.fixture(scope="module")
+def x():
+    return jax.random.normal(jax.random.key(1), (4, 8, 64), jnp.float32)
+
+
+def _pairs():
+    """(jaxmx layer factory, flax layer factory, MX reference of the flax layer's math)."""
+    lin = dict(in_features=64, out_features=48)
+    ein = dict(einsum_str="btd,dnh->btnh", kernel_shape=(64, 3, 16), bias_shape=(3, 16))
+    return {
+        "Linear": (
+            lambda **kw: mxnnx.Linear(**lin, rngs=nnx.Rngs(0), **kw),
+            lambda: nnx.Linear(**lin, rngs=nnx.Rngs(0)),
+            lambda m, x: _q(x, -1) @ _q(m.kernel[...], 0) + m.bias[...],
+        ),
+        "Einsum": (
+            lambda **kw: mxnnx.Einsum(**ein, rngs=nnx.Rngs(0), **kw),
+            lambda: nnx.Einsum(**ein, rngs=nnx.Rngs(0)),
+            lambda m, x: jnp.einsum("btd,dnh->btnh", _q(x, -1), _q(m.kernel[...], 0)) + m.bias[...],
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["Linear", "Einsum"])
+def test_recipe_none_matches_flax_exactly(name, x):
+    make, make_ref, _ = _pairs()[name]
+    mine, ref = make(recipe=None), make_ref()
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(mine), nnx.state(ref))
+    np.testing.assert_array_equal(mine(x), ref(x))
+
+
+@pytest.mark.parametrize("name", ["Linear", "Einsum"])
+def test_mx_matches_mx_definition_and_flax_closely(name, x):
+    make, make_ref, mx_ref = _pairs()[name]
+    mine, ref = make(), make_ref()
+    assert mine.recipe == MX
+    y = mine(x)
+    err = _rel(y, ref(x))
+    assert 1e-3 < err < 0.05, err
+    np.testing.assert_allclose(y, mx_ref(ref, x), rtol=1e-5, atol=1e-5)
+
+
+def test_params_keep_user_dtype(x):
+    layer = mxnnx.Linear(64, 16, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert {p.dtype for p in jax.tree.leaves(nnx.state(layer))} == {jnp.dtype(jnp.bfloat16)}
+    assert layer(x).dtype == jnp.bfloat16
+    assert mxnnx.Linear(64, 16, rngs=nnx.Rngs(0)).kernel.dtype == jnp.float32
+
+
+def test_gradients_flow_and_match_high_precision(x):
+    mine, ref = mxnnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    target = jax.random.normal(jax.random.key(2), (4, 8, 32))
+
+    def loss(m, x):
+        return jnp.mean((m(x) - target) ** 2)
+
+    g, gx = nnx.grad(loss, argnums=(0, 1))(mine, x)
+    g_ref, gx_ref = nnx.grad(loss, argnums=(0, 1))(ref, x)
+    for a, b in zip(jax.tree.leaves((g, gx)), jax.tree.leaves((g_ref, gx_ref)), strict=True):
+        assert bool(jnp.all(jnp.isfinite(a))) and float(jnp.abs(a).max()) > 0
+        assert 0 < _rel(a, b) < 0.1
+
+
+class Net(nnx.Module):
+    """Embedding, two MLP layers, an einsum projection and an output head."""
+
+    def __init__(self, rngs, vocab=16, d=64):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(d, d, rngs=rngs) for _ in range(2)])
+        self.proj = nnx.Einsum("btd,de->bte", (d, d), rngs=rngs)
+        self.lm_head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.blocks:
+            h = h + jax.nn.gelu(layer(h))
+        return self.lm_head(self.proj(h))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    """Sequences where each token determines the next: t' = (5 t + 3) mod 16."""
+    first = jax.random.randint(jax.random.key(3), (8,), 0, 16)
+    seq = [first]
+    for _ in range(31):
+        seq.append((5 * seq[-1] + 3) % 16)
+    return jnp.stack(seq, axis=1)
+
+
+def test_quantize_model_default_keeps_embed_and_head(tokens):
+    model, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    state = nnx.state(model)
+    converted = mxnnx.quantize_model(model, MX)
+    assert list(converted) == ["blocks/0", "blocks/1", "proj"]
+    assert converted["proj"] is model.proj and model.blocks[0].recipe == MX
+    assert isinstance(model.lm_head.dot_general, type(jax.lax.dot_general))  # untouched
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)  # params untouched
+    y, y_ref = model(tokens), ref(tokens)
+    assert 1e-3 < _rel(y, y_ref) < 0.05
+    # The converted layers compute what jaxmx layers with the same parameters compute.
+    h = model.embed(tokens)
+    lin = mxnnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    nnx.update(lin, nnx.state(model.blocks[0]))
+    np.testing.assert_array_equal(model.blocks[0](h), lin(h))
+    # recipe=None converts back to high precision, exactly.
+    assert len(mxnnx.quantize_model(model, None)) == 3
+    np.testing.assert_array_equal(model(tokens), y_ref)
+
+
+def test_quantize_model_include_exclude_rules():
+    def paths(**kw):
+        return sorted(mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, **kw))
+
+    assert paths(exclude=()) == ["blocks/0", "blocks/1", "lm_head", "proj"]
+    assert paths(include="blocks/*") == ["blocks/0", "blocks/1"]
+    assert paths(include=["proj", "lm_head"]) == ["proj"]  # the default exclude still applies
+    assert paths(include=["proj", "lm_head"], exclude=None) == ["lm_head", "proj"]
+    # A pattern matches a path component or the whole path; exclude= replaces the default.
+    assert paths(exclude=["1", "proj"]) == ["blocks/0", "lm_head"]
+    assert paths(include=lambda path, layer: isinstance(layer, nnx.Einsum)) == ["proj"]
+    assert paths(exclude=lambda path, layer: layer.kernel.shape[1] != 64) == [
+        "blocks/0",
+        "blocks/1",
+        "proj",
+    ]
+    assert mxnnx.quantize_model(Net(nnx.Rngs(0)))["proj"].recipe == MX  # default recipe
+
+
+def test_jitted_optax_training_lowers_loss(tokens):
+    model = Net(nnx.Rngs(0))
+    mxnnx.quantize_model(model, MX)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    @nnx.jit
+    def step(model, optimizer):
+        def loss_fn(m):
+            logits = m(inputs)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(30)]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < 0.2 * losses[0], losses
+    assert model.blocks[0].kernel.dtype == jnp.float32
+
+
+def test_checkpoint_roundtrip(tokens, tmp_path):
+    import orbax.checkpoint as ocp
+
+    model = Net(nnx.Rngs(0))
+    mxnnx.quantize_model(model, MX)
+    nnx.update(model, jax.tree.map(lambda p: p + 0.01, nnx.state(model, nnx.Param)))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", nnx.state(model))
+    ckpt.wait_until_finished()
+
+    fresh = Net(nnx.Rngs(7))
+    mxnnx.quantize_model(fresh, MX)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: fresh))
+    restored = nnx.merge(graphdef, ckpt.restore(tmp_path / "ckpt", abstract))
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(restored), nnx.state(model))
+    np.testing.assert_array_equal(restored(tokens), model(tokens))
+    assert restored.blocks[0].recipe == MX

@@ -188,15 +188,21 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
 _mx_bmm.defvjp(_mx_bmm_fwd, _mx_bmm_bwd)
 
 
+# The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
+# under an outer jit they inline. (Jitting _mx_bmm as a whole would hide the residual names from
+# remat policies.)
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
     return quantize(x, fmt, axis=-1, scale_mode=r.scale_mode, key=key)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
 def _colwise_t(x, fmt: str, r: Recipe, key=None) -> MXArray:
     """x [B, M, K] quantized along M, stored transposed: [B, K, M], blocks along the last axis."""
-    q = quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2])
-    return MXArray(q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2), q.fmt, x.ndim - 1, shape)
+    # Transposing the high-precision input (XLA fuses it into the quantizer) rather than the
+    # quantized copy: XLA's constant folder mis-evaluates fp8 arrays that are transposed and then
+    # bitcast inside a nested computation (wrong bytes for jit-captured constants).
+    return quantize(x.swapaxes(-1, -2), fmt, axis=-1, scale_mode=r.scale_mode, key=key)
 
 
 def _named(q: MXArray, name: str) -> MXArray:

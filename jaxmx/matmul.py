@@ -10,6 +10,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -56,6 +58,7 @@ def resolve_backend(backend: str) -> str:
     raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'emulate' or 'ffi'")
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def _emulate(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     operand_dtype = jnp.bfloat16 if jax.default_backend() in _ACCELERATORS else jnp.float32
     batch = tuple(range(a.data.ndim - 2))

@@ -1,0 +1,360 @@
+"""jaxmx.dot_general: the copy-per-GEMM table, accuracy per leg, transforms, residuals, errors.
+
+The reference quantizer here is written from the MX definition with numpy + ml_dtypes in float64:
+the rceil exponent is the smallest e with elem_max * 2^e >= amax, elements are the RNE cast of
+x * 2^-e saturated to +-elem_max.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxmx
+from jaxmx.dot_general import LHS_COLWISE, RHS_COLWISE
+
+EMULATE = jaxmx.recipes.MXFP8.replace(backend="emulate")
+TN = (((1,), (1,)), ((), ()))
+ELEM = {
+    "mxfp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+    "mxfp8_e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+
+
+def ref_fake_quant(x, fmt="mxfp8_e4m3"):
+    """Quantize-dequantize along the last axis in float64 (rceil, blocks of 32, zero padding)."""
+    dtype, elem_max = ELEM[fmt]
+    x = np.asarray(x, np.float64)
+    k = x.shape[-1]
+    kp = -(-k // 32) * 32
+    xp = np.zeros((*x.shape[:-1], kp))
+    xp[..., :k] = x
+    blocks = xp.reshape(*x.shape[:-1], kp // 32, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    e = np.zeros_like(amax)
+    nz = amax > 0
+    e[nz] = np.ceil(np.log2(amax[nz] / elem_max))
+    # guard the float64 log2 with exact power-of-two comparisons: smallest e with max*2^e >= amax
+    e = np.where(elem_max * 2.0**e < amax, e + 1, e)
+    e = np.where(elem_max * 2.0 ** (e - 1) >= amax, e - 1, e)
+    e = np.clip(np.where(nz, e, -127), -127, 127)
+    codes = np.clip(blocks * 2.0**-e, -elem_max, elem_max).astype(dtype)
+    out = codes.astype(np.float64) * 2.0**e
+    return out.reshape(*x.shape[:-1], kp)[..., :k]
+
+
+def ref_dense_vjp(x, w, g, fwd="mxfp8_e4m3", grad="mxfp8_e4m3"):
+    """y = x @ w.T and its gradients, each GEMM from the copies of DESIGN section 4."""
+    y = ref_fake_quant(x, fwd) @ ref_fake_quant(w, fwd).T
+    dx = ref_fake_quant(g, grad) @ ref_fake_quant(w.T, fwd).T  # g rowwise, w colwise [K, N]
+    dw = ref_fake_quant(g.T, grad) @ ref_fake_quant(x.T, fwd).T  # g colwise, x colwise [K, M]
+    return y, dx, dw
+
+
+def summation_bound(a, b):
+    """Float32 accumulation error bound for a @ b.T built from exact products."""
+    k = a.shape[-1]
+    return 2.0 * k * 2.0**-24 * (np.abs(a) @ np.abs(b).T) + 1e-30
+
+
+def outlier_inputs(m, k, n, seed=0):
+    """Inputs whose rowwise and columnwise quantizations differ strongly."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    g = rng.standard_normal((m, n)).astype(np.float32)
+    x[3] *= 1000.0  # an outlier row
+    x[:, 5] *= 300.0  # an outlier column
+    w[:, 7] *= 500.0
+    g[:, 2] *= 1000.0
+    g[4] *= 50.0
+    return x, w, g
+
+
+def vjp(f, x, w, g):
+    y, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
+    return (np.asarray(y, np.float64), *(np.asarray(t, np.float64) for t in pullback(g)))
+
+
+@pytest.mark.parametrize("recipe", [EMULATE, EMULATE.replace(grad="mxfp8_e5m2")])
+@pytest.mark.parametrize("residuals", ["quantized", "high_precision"])
+def test_each_gemm_uses_its_own_copies(recipe, residuals):
+    recipe = recipe.replace(residuals=residuals)
+    x, w, g = outlier_inputs(64, 96, 48)
+    f = functools.partial(jaxmx.dot_general, dimension_numbers=TN, recipe=recipe)
+    y, dx, dw = vjp(jax.jit(f), x, w, g)
+    ry, rdx, rdw = ref_dense_vjp(x, w, g, recipe.fwd, recipe.grad)
+    x_row, w_row = ref_fake_quant(x, recipe.fwd), ref_fake_quant(w, recipe.fwd)
+    x_col, w_col = ref_fake_quant(x.T, recipe.fwd), ref_fake_quant(w.T, recipe.fwd)
+    g_row, g_col = ref_fake_quant(g, recipe.grad), ref_fake_quant(g.T, recipe.grad)
+    assert np.all(np.abs(y - ry) <= summation_bound(x_row, w_row))
+    assert np.all(np.abs(dx - rdx) <= summation_bound(g_row, w_col))
+    assert np.all(np.abs(dw - rdw) <= summation_bound(g_col, x_col))
+    # A wrong copy (rowwise w in dgrad, rowwise x in wgrad, high-precision g) misses by far more.
+    for wrong, right, bound in (
+        (g_row @ w_row, rdx, summation_bound(g_row, w_col)),
+        (g_col @ x_row, rdw, summation_bound(g_col, x_col)),
+        (g @ w_col.T, rdx, summation_bound(g_row, w_col)),
+        (g.T @ x_col.T, rdw, summation_bound(g_col, x_col)),
+    ):
+        assert np.any(np.abs(wrong - right) > 100 * bound)
+
+
+def sqnr_db(approx, exact):
+    return 10 * np.log10(np.sum(exact**2) / np.sum((approx - exact) ** 2))
+
+
+@pytest.mark.parametrize("fmt, floor_db", [("mxfp8_e4m3", 28.0), ("mxfp8_e5m2", 22.0)])
+def test_sqnr_per_leg_against_float64(fmt, floor_db):
+    rng = np.random.default_rng(1)
+    m, k, n = 128, 256, 192
+    x = rng.standard_normal((m, k)).astype(np.float32) * np.exp(rng.normal(0, 1, (m, 1)))
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    g = rng.standard_normal((m, n)).astype(np.float32) * 1e-3
+    recipe = EMULATE.replace(fwd=fmt, grad=fmt)
+    f = functools.partial(jaxmx.dot_general, dimension_numbers=TN, recipe=recipe)
+    y, dx, dw = vjp(f, x, w, g)
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+    legs = {
+        "fprop": sqnr_db(y, x64 @ w64.T),
+        "dgrad": sqnr_db(dx, g64 @ w64),
+        "wgrad": sqnr_db(dw, g64.T @ x64),
+    }
+    print(f"{fmt} SQNR dB: " + ", ".join(f"{leg} {v:.1f}" for leg, v in legs.items()))
+    assert all(v > floor_db for v in legs.values()), legs
+    assert all(v < 60 for v in legs.values()), legs  # it really is quantized
+
+
+DIMENSION_CASES = [
+    # (lhs shape, rhs shape, dimension numbers)
+    ((5, 40), (7, 40), (((1,), (1,)), ((), ()))),
+    ((40, 5), (7, 40), (((0,), (1,)), ((), ()))),
+    ((5, 40), (40, 7), (((1,), (0,)), ((), ()))),
+    ((2, 3, 64), (2, 64, 4), (((2,), (1,)), ((0,), (0,)))),
+    ((3, 4, 16), (5, 4, 16), (((1, 2), (1, 2)), ((), ()))),
+    ((4, 2, 33), (2, 6, 33), (((2,), (2,)), ((1,), (0,)))),
+    ((1, 1, 32), (1, 3, 32), (((2,), (2,)), ((0,), (0,)))),
+    ((1, 100), (1, 100), (((1,), (1,)), ((), ()))),
+    ((6, 2, 3, 20), (3, 7, 20, 2), (((3, 1), (2, 3)), ((2,), (0,)))),
+]
+
+
+def ref_dot_general(lhs, rhs, dims):
+    """The MX definition for general dimension numbers: canonicalize in numpy, quantize along K."""
+    (lc, rc), (lb, rb) = dims
+    lf = [d for d in range(lhs.ndim) if d not in lc + lb]
+    rf = [d for d in range(rhs.ndim) if d not in rc + rb]
+    x = np.transpose(lhs, lb + tuple(lf) + lc)
+    w = np.transpose(rhs, rb + tuple(rf) + rc)
+    bshape = x.shape[: len(lb)]
+    mshape, nshape = x.shape[len(lb) : len(lb) + len(lf)], w.shape[len(rb) : len(rb) + len(rf)]
+    b, m, n = (int(np.prod(s)) for s in (bshape, mshape, nshape))
+    xq = ref_fake_quant(x.reshape(b, m, -1))
+    wq = ref_fake_quant(w.reshape(b, n, -1))
+    return np.einsum("bmk,bnk->bmn", xq, wq).reshape(bshape + mshape + nshape)
+
+
+@pytest.mark.parametrize("lshape, rshape, dims", DIMENSION_CASES)
+def test_general_dimension_numbers(lshape, rshape, dims):
+    rng = np.random.default_rng(2)
+    lhs = rng.standard_normal(lshape).astype(np.float32)
+    rhs = rng.standard_normal(rshape).astype(np.float32)
+    y = jax.jit(functools.partial(jaxmx.dot_general, dimension_numbers=dims, recipe=EMULATE))(
+        lhs, rhs
+    )
+    expected = jax.lax.dot_general(lhs, rhs, dims)
+    assert y.shape == expected.shape
+    np.testing.assert_allclose(np.asarray(y), ref_dot_general(lhs, rhs, dims), rtol=1e-5, atol=1e-5)
+    # and the gradients have the operands' shapes and dtypes
+    grads = jax.grad(lambda a, b: jaxmx.dot_general(a, b, dims, recipe=EMULATE).sum(), (0, 1))(
+        jnp.asarray(lhs), jnp.asarray(rhs)
+    )
+    assert grads[0].shape == lshape and grads[1].shape == rshape
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 32, 1), (1, 7, 3), (33, 65, 17), (128, 96, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_shapes_and_dtypes(m, k, n, dtype):
+    x, w, g = outlier_inputs(max(m, 6), max(k, 8), max(n, 8), seed=m + k)
+    x, w, g = x[:m, :k], w[:n, :k], g[:m, :n]
+    x, w, g = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (x, w, g))
+    f = functools.partial(jaxmx.dot_general, dimension_numbers=TN, recipe=EMULATE)
+    y, pullback = jax.vjp(f, jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    dx, dw = pullback(jnp.asarray(g, dtype))
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    ry, rdx, rdw = ref_dense_vjp(x, w, g)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-4)
+    for out, ref in ((y, ry), (dx, rdx), (dw, rdw)):
+        scale = np.abs(ref).max() + 1e-30
+        np.testing.assert_allclose(np.asarray(out, np.float64) / scale, ref / scale, **tol)
+
+
+def test_preferred_element_type_sets_output_dtype():
+    x = jnp.ones((4, 32), jnp.bfloat16)
+    y = jaxmx.dot_general(x, x, TN, preferred_element_type=jnp.float32, recipe=EMULATE)
+    assert y.dtype == jnp.float32
+    assert jaxmx.dot_general(x, x.astype(jnp.float32), TN, recipe=EMULATE).dtype == jnp.float32
+
+
+def loss_fn(recipe):
+    def loss(params, x):
+        h = jaxmx.dot_general(x, params["w1"], TN, recipe=recipe)
+        return jnp.sum(jaxmx.dot_general(jnp.tanh(h), params["w2"], TN, recipe=recipe) ** 2)
+
+    return loss
+
+
+def mlp_setup():
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {
+        "w1": jax.random.normal(k[0], (64, 48)) / 7,
+        "w2": jax.random.normal(k[1], (16, 64)) / 8,
+    }
+    return params, jax.random.normal(k[2], (40, 48))
+
+
+def test_transforms_jit_grad_value_and_grad_vmap_scan():
+    params, x = mlp_setup()
+    loss = loss_fn(EMULATE)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params, x)
+    eager_grads = jax.grad(loss)(params, x[:40])
+    jax.tree.map(np.testing.assert_array_equal, grads, eager_grads)
+    assert np.isfinite(value)
+    # vmap over a batch of inputs == a loop
+    xs = jnp.stack([x, 2 * x, -x])
+    vg = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, xs)
+    grad_fn = jax.jit(jax.grad(loss))
+    for i in range(3):
+        gi = grad_fn(params, xs[i])
+        jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=1e-6), vg, gi)
+
+    # lax.scan over steps of plain SGD
+    def step(p, xi):
+        g = jax.grad(loss)(p, xi)
+        return jax.tree.map(lambda a, b: a - 1e-3 * b, p, g), loss(p, xi)
+
+    _, losses = jax.jit(lambda p, xs: jax.lax.scan(step, p, xs))(params, xs)
+    assert losses.shape == (3,) and np.all(np.isfinite(losses))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE),
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.everything_saveable,
+    ],
+)
+def test_remat_policies_give_the_same_gradients(policy):
+    params, x = mlp_setup()
+    loss = loss_fn(EMULATE)
+    expected = jax.grad(loss)(params, x)
+    got = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy)))(params, x)
+    jax.tree.map(np.testing.assert_array_equal, got, expected)
+
+
+def test_residuals_are_named_for_remat():
+    params, x = mlp_setup()
+    saved = (
+        jax.ad_checkpoint.saved_residuals if hasattr(jax.ad_checkpoint, "saved_residuals") else None
+    )
+    from jax._src.ad_checkpoint import saved_residuals
+
+    saved = saved_residuals(
+        jax.checkpoint(
+            loss_fn(EMULATE),
+            policy=jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE),
+        ),
+        params,
+        x,
+    )
+    names = " ".join(str(why) for _, why in saved)
+    assert LHS_COLWISE in names and RHS_COLWISE in names
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_quantized_residuals_store_about_one_byte_per_element(dtype):
+    m, k, n = 64, 256, 96
+    x, w = jnp.ones((m, k), dtype), jnp.ones((n, k), dtype)
+    f = functools.partial(jaxmx.dot_general, dimension_numbers=TN, recipe=EMULATE)
+    _, pullback = jax.vjp(f, x, w)
+    saved = sum(leaf.nbytes for leaf in jax.tree.leaves(pullback))
+    elements = m * k + n * k
+    assert saved <= 1.05 * elements  # fp8 codes + one E8M0 byte per 32
+    assert saved >= elements
+    hp = functools.partial(f, recipe=EMULATE.replace(residuals="high_precision"))
+    _, pullback = jax.vjp(hp, x, w)
+    assert sum(leaf.nbytes for leaf in jax.tree.leaves(pullback)) >= elements * x.dtype.itemsize
+
+
+def test_stochastic_gradient_rounding_needs_a_key_and_is_unbiased():
+    recipe = EMULATE.replace(grad_rounding="stochastic")
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+    with pytest.raises(ValueError, match="key"):
+        jaxmx.dot_general(x, w, TN, recipe=recipe)
+
+    @jax.jit
+    def dx_for(key):
+        _, pullback = jax.vjp(lambda a: jaxmx.dot_general(a, w, TN, recipe=recipe, key=key), x)
+        return pullback(g)[0]
+
+    keys = jax.random.split(jax.random.key(0), 64)
+    draws = np.stack([np.asarray(dx_for(k)) for k in keys])
+    assert not np.array_equal(draws[0], draws[1])
+    w_col = ref_fake_quant(np.asarray(w).T)  # [K, N], the dgrad copy of w
+    exact = np.asarray(g, np.float64) @ w_col.T
+    nearest_err = np.abs(ref_fake_quant(np.asarray(g)) @ w_col.T - exact).mean()
+    mean_err = np.abs(draws.mean(0) - exact).mean()
+    assert mean_err < nearest_err  # averaging unbiased draws beats round-to-nearest
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = jnp.ones((4, 32))
+    with pytest.raises(ValueError, match="contracting dimensions differ"):
+        jaxmx.dot_general(x, jnp.ones((4, 48)), TN, recipe=EMULATE)
+    with pytest.raises(TypeError, match="int32"):
+        jaxmx.dot_general(x.astype(jnp.int32), x, TN, recipe=EMULATE)
+    with pytest.raises(ValueError, match="rank"):
+        jaxmx.dot_general(x, x, (((2,), (1,)), ((), ())), recipe=EMULATE)
+    with pytest.raises(TypeError):
+        jaxmx.Recipe(fwdd="mxfp8_e4m3")
+    with pytest.raises(ValueError, match="format"):
+        jaxmx.Recipe(fwd="mxfp9")
+    with pytest.raises(ValueError, match="backend"):
+        jaxmx.Recipe(backend="tpu-magic")
+    with pytest.raises(ValueError, match="residuals"):
+        jaxmx.Recipe(residuals="none")
+    with pytest.raises(TypeError, match="Recipe"):
+        jaxmx.dot_general(x, x, TN, recipe="mxfp8")
+
+
+def test_einsum_matches_reference():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    w = rng.standard_normal((5, 64)).astype(np.float32)
+    y = jaxmx.einsum("btd,hd->bth", x, w, recipe=EMULATE)
+    expected = np.einsum("btd,hd->bth", ref_fake_quant(x), ref_fake_quant(w))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="two operands"):
+        jaxmx.einsum("ij,jk,kl", x, w)
+
+
+def test_jit_with_captured_constants_matches_jit_with_arguments():
+    # XLA's constant folder evaluates computations on captured constants itself; it once got
+    # transposed fp8 copies wrong, so both ways must agree (and match the reference).
+    x, w, g = outlier_inputs(32, 64, 16)
+
+    def dx(a, b, c):
+        return jax.vjp(lambda a: jaxmx.dot_general(a, b, TN, recipe=EMULATE), a)[1](c)[0]
+
+    with_args = jax.jit(dx)(x, w, g)
+    with_constants = jax.jit(lambda: dx(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)))()
+    np.testing.assert_array_equal(with_args, with_constants)
+    _, rdx, _ = ref_dense_vjp(x, w, g)
+    np.testing.assert_allclose(np.asarray(with_args), rdx, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,6 @@
+"""The jaxmx demo: ``python -m jaxmx.demo`` trains a byte-level transformer in BF16 and in MXFP8.
+
+Modules: :mod:`~jaxmx.demo.data` (pydoc topics as bytes), :mod:`~jaxmx.demo.model` (nnx
+transformer), :mod:`~jaxmx.demo.train` (training loop, BF16 vs MXFP8 comparison) and
+:mod:`~jaxmx.demo.report` (table and plot). Needs ``pip install "jaxmx[demo]"``.
+"""

@@ -1,0 +1,175 @@
+"""Train the demo transformer once, in BF16 or with MXFP8 linear layers, and record the losses.
+
+Example:
+    >>> from jaxmx.demo.train import Config, train
+    >>> cfg = Config(steps=2, d_model=32, layers=1, heads=2, seq_len=32, batch=4, eval_batches=1)
+    >>> run = train(cfg, recipe=None, progress=False)
+    >>> run.name, len(run.train_loss)
+    ('bf16', 2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxmx.demo import data
+from jaxmx.demo.model import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model size and training schedule. The defaults are the measured ones in docs/demo.md."""
+
+    steps: int = 600
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+    seq_len: int = 128
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class RunResult:
+    """Losses (nats/byte) and timings of one training run."""
+
+    name: str
+    steps: list[int] = dataclasses.field(default_factory=list)  # 1-based step of each train loss
+    train_loss: list[float] = dataclasses.field(default_factory=list)
+    val_steps: list[int] = dataclasses.field(default_factory=list)
+    val_loss: list[float] = dataclasses.field(default_factory=list)
+    step_times: list[float] = dataclasses.field(default_factory=list)  # seconds, excluding step 1
+    compile_time: float = 0.0  # first step, compilation included
+    wall_time: float = 0.0  # the whole run: build, compile, train, evaluate
+
+    @property
+    def final_train(self) -> float:
+        """Mean training loss over the last 10% of steps (smooths batch noise)."""
+        n = max(1, len(self.train_loss) // 10)
+        return float(np.mean(self.train_loss[-n:]))
+
+    @property
+    def final_val(self) -> float:
+        """Validation loss after the last step."""
+        return self.val_loss[-1]
+
+    @property
+    def step_time(self) -> float:
+        """Median seconds per training step after compilation."""
+        return float(np.median(self.step_times)) if self.step_times else float("nan")
+
+
+def build_model(cfg: Config, recipe=None) -> Transformer:
+    """The demo model; with a recipe, its linear layers (not embed/head) go through jaxmx."""
+    model = Transformer(
+        data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
+    )
+    if recipe is not None:
+        from jaxmx.flax.nnx import quantize_model
+
+        quantize_model(model, recipe)
+    return model
+
+
+def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    logits = model(inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@nnx.jit
+def train_step(model, optimizer, inputs, targets):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+    optimizer.update(model, grads)
+    return loss
+
+
+@nnx.jit
+def eval_step(model, inputs, targets):
+    return loss_fn(model, inputs, targets)
+
+
+def evaluate(model, batches) -> float:
+    return float(np.mean([float(eval_step(model, x, y)) for x, y in batches]))
+
+
+def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool = True) -> RunResult:
+    """Trains one model from ``cfg.seed`` on the fixed data order; ``recipe=None`` is BF16."""
+    start = time.perf_counter()
+    name = name or ("bf16" if recipe is None else "mxfp8")
+    train_data, val_data = data.load_splits()
+    model = build_model(cfg, recipe)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
+    )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    val_batches = data.eval_batches(val_data, cfg.batch, cfg.seq_len, cfg.eval_batches)
+    result = RunResult(name)
+    batches = data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed)
+    bar = _progress(cfg.steps, name, progress)
+    for step in range(1, cfg.steps + 1):
+        x, y = next(batches)
+        t0 = time.perf_counter()
+        loss = float(train_step(model, optimizer, jnp.asarray(x), jnp.asarray(y)))
+        dt = time.perf_counter() - t0
+        if step == 1:
+            result.compile_time = dt
+        else:
+            result.step_times.append(dt)
+        result.steps.append(step)
+        result.train_loss.append(loss)
+        if step < cfg.steps and cfg.eval_every and step % cfg.eval_every == 0:
+            result.val_steps.append(step)
+            result.val_loss.append(evaluate(model, val_batches))
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update()
+    if bar is not None:
+        bar.close()
+    result.val_steps.append(cfg.steps)
+    result.val_loss.append(evaluate(model, val_batches))
+    result.wall_time = time.perf_counter() - start
+    return result
+
+
+def _progress(total: int, name: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
+
+
+RECIPES = ("mxfp8", "mxfp8_hybrid")
+
+
+def get_recipe(name: str = "mxfp8", backend: str | None = None):
+    """``jaxmx.recipes.MXFP8`` / ``MXFP8_HYBRID`` by demo name, on ``backend`` if given."""
+    from jaxmx import recipes
+
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; expected one of {RECIPES}")
+    recipe = getattr(recipes, name.upper())
+    return recipe if backend is None else dataclasses.replace(recipe, backend=backend)
+
+
+def compare(cfg: Config, recipe, *, progress: bool = True) -> tuple[RunResult, RunResult]:
+    """BF16 then ``recipe``, same seed and data order: ``(bf16_run, mx_run)``."""
+    baseline = train(cfg, None, name="bf16", progress=progress)
+    candidate = train(cfg, recipe, name="mxfp8", progress=progress)
+    return baseline, candidate

@@ -1,0 +1,68 @@
+"""The demo end to end with a tiny model: both runs train, the report and the plot are written."""
+
+import json
+
+import numpy as np
+
+import jaxmx
+from jaxmx.demo import data, report
+from jaxmx.demo.__main__ import main, parse_args
+from jaxmx.demo.train import Config, get_recipe
+
+TINY = [
+    *("--steps", "30", "--d-model", "32", "--layers", "1", "--heads", "2"),
+    *("--seq-len", "32", "--batch", "8", "--eval-every", "10", "--eval-batches", "4"),
+    *("--lr", "1e-2", "--no-progress"),
+]
+
+
+def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
+    assert main([*TINY, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "validation loss" in out and "step time (ms)" in out and "unigram entropy" in out
+
+    history = json.loads((tmp_path / "history.json").read_text())
+    runs = history["runs"]
+    assert set(runs) == {"bf16", "mxfp8"}
+    for run in runs.values():
+        assert len(run["train_loss"]) == 30 and run["val_steps"] == [10, 20, 30]
+        assert np.isfinite(run["train_loss"]).all() and np.isfinite(run["val_loss"]).all()
+        assert np.mean(run["train_loss"][-5:]) < run["train_loss"][0] - 1.5  # 5.5 -> ~3
+        assert run["val_loss"][-1] < run["val_loss"][0]
+        assert run["step_time"] > 0
+    bf16, mx = runs["bf16"], runs["mxfp8"]
+    assert bf16["train_loss"][0] == mx["train_loss"][0]  # same init, same first batch
+    assert bf16["train_loss"][1:] != mx["train_loss"][1:]  # the MX run really is quantized
+    assert abs(mx["final_val"] / bf16["final_val"] - 1) < 0.05
+
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.splitlines()[0].split() == ["bf16", "mxfp8", "rel.", "gap"]
+    assert f"{history['unigram_entropy']:.3f}" in summary
+    png = (tmp_path / "loss_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_cli_flags_and_recipes():
+    args = parse_args(["--recipe", "mxfp8_hybrid", "--backend", "emulate", "--d-model", "64"])
+    assert args.d_model == 64 and args.out == "jaxmx_demo"
+    recipe = get_recipe(args.recipe, args.backend)
+    assert recipe == jaxmx.recipes.MXFP8_HYBRID.replace(backend="emulate")
+    assert get_recipe("mxfp8") == jaxmx.recipes.MXFP8
+    defaults = parse_args([])
+    assert (defaults.steps, defaults.d_model, defaults.layers) == (
+        Config.steps,
+        Config.d_model,
+        Config.layers,
+    )
+
+
+def test_data_splits_and_unigram():
+    train, val = data.load_splits()
+    assert train.dtype == np.uint8 and len(val) == int(0.1 * (len(train) + len(val)))
+    h = data.unigram_entropy(val)
+    assert 2.5 < h < np.log(256)
+    x, y = next(data.batches(train, 4, 16, seed=0))
+    assert x.shape == y.shape == (4, 16) and (x[:, 1:] == y[:, :-1]).all()
+    x2, _ = next(data.batches(train, 4, 16, seed=0))
+    assert (x == x2).all()  # the data order is fixed by the seed
+    assert report.smooth([1.0, 2.0, 3.0], window=2).tolist() == [1.0, 1.5, 2.5]

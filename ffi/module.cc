@@ -14,6 +14,9 @@
 #ifdef JAXMX_WITH_CUDA
 #include <cublas_api.h>
 #include <cuda_runtime_api.h>
+#ifndef JAXMX_CUDA_INCLUDE_DIR
+#define JAXMX_CUDA_INCLUDE_DIR "unknown"  // set by CMake; not by other build systems
+#endif
 #endif
 
 namespace nb = nanobind;

@@ -431,3 +431,7 @@ def test_cuda_libraries_resolve_when_installed():
     assert info["loaded"], info["error"]
     assert info["cublaslt_version"] >= 120800
     assert info["cudart_version"] > 0
+
+
+if __name__ == "__main__":  # for Bazel's py_test (BUILD.bazel) and plain `python tests/test_ffi.py`
+    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -106,9 +106,11 @@ void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
   std::vector<uint8_t> sa(mp * nb, 127), sb(RoundUp(n, kTile) * nb, 127);
   if (op.lhs_scale != nullptr) {
     for (int64_t r = 0; r < m; ++r)
-      for (int64_t c = 0; c < nb; ++c) sa[r * nb + c] = op.lhs_scale[SwizzledOffset(r, c, cols_padded)];
+      for (int64_t c = 0; c < nb; ++c)
+        sa[r * nb + c] = op.lhs_scale[SwizzledOffset(r, c, cols_padded)];
     for (int64_t r = 0; r < n; ++r)
-      for (int64_t c = 0; c < nb; ++c) sb[r * nb + c] = op.rhs_scale[SwizzledOffset(r, c, cols_padded)];
+      for (int64_t c = 0; c < nb; ++c)
+        sb[r * nb + c] = op.rhs_scale[SwizzledOffset(r, c, cols_padded)];
   }
 
   // lhs decoded to float64 rows of kp (zero padded), all at once.

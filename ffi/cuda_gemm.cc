@@ -140,8 +140,8 @@ const Api& GetApi() {
 #undef JAXMX_RESOLVE_LT
 #undef JAXMX_RESOLVE
 #if CUDART_VERSION >= 12080
-    a->cudaStreamGetDevice =
-        reinterpret_cast<decltype(a->cudaStreamGetDevice)>(dlsym(rt, JAXMX_STR(cudaStreamGetDevice)));
+    a->cudaStreamGetDevice = reinterpret_cast<decltype(a->cudaStreamGetDevice)>(
+        dlsym(rt, JAXMX_STR(cudaStreamGetDevice)));
 #endif
     if (!missing.empty()) {
       a->info.error = "symbols missing from " + a->info.cudart + " / " + a->info.cublaslt + ":" +
@@ -348,15 +348,15 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
   auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
-  const std::string name(target);
+  const auto name = [target] { return std::string(target); };  // error paths only: no allocation
 
   const Api& api = GetApi();
   if (!api.info.loaded)
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, name + ": " + api.info.error);
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, name() + ": " + api.info.error);
 
   if (kind == ScaleKind::kBlockE8M0 && api.info.cublaslt_version < 120800)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      name + ": cuBLASLt " + Version(api.info.cublaslt_version, 10000) +
+                      name() + ": cuBLASLt " + Version(api.info.cublaslt_version, 10000) +
                           " is loaded; MX block scaling needs CUDA/cuBLASLt >= 12.8");
 
   int device = -1;
@@ -366,7 +366,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
 #endif
   if (e != cudaSuccess) e = api.cudaGetDevice(&device);
   if (e != cudaSuccess)
-    return ffi::Error::Internal(name + ": could not find the stream's device: " +
+    return ffi::Error::Internal(name() + ": could not find the stream's device: " +
                                 api.cudaGetErrorString(e));
 
   const DeviceState* dev;
@@ -377,11 +377,11 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
     if (it == devices.end()) it = devices.emplace(device, InitDevice(api, device)).first;
     dev = &it->second;
   }
-  if (!dev->error.empty()) return ffi::Error::Internal(name + ": " + dev->error);
+  if (!dev->error.empty()) return ffi::Error::Internal(name() + ": " + dev->error);
 
   if (kind == ScaleKind::kBlockE8M0 && dev->capability < 100)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      name + ": device " + std::to_string(device) + " has compute capability " +
+                      name() + ": device " + std::to_string(device) + " has compute capability " +
                           Capability(dev->capability) +
                           "; MX block scaling (CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0) needs "
                           "compute capability >= 10.0 and CUDA >= 12.8 (use the emulation "
@@ -389,16 +389,16 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
   if (kind == ScaleKind::kTensorF32) {
     if (dev->capability < 89)
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        name + ": device " + std::to_string(device) + " has compute capability " +
+                        name() + ": device " + std::to_string(device) + " has compute capability " +
                             Capability(dev->capability) +
                             "; cuBLASLt FP8 matmul needs compute capability >= 8.9");
     if (p.lhs_type == ffi::DataType::F8E5M2 && p.rhs_type == ffi::DataType::F8E5M2)
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        name + ": cuBLASLt has no float8_e5m2 x float8_e5m2 matmul; make one "
+                        name() + ": cuBLASLt has no float8_e5m2 x float8_e5m2 matmul; make one "
                                "operand float8_e4m3fn");
     if (p.k % 16 != 0)
-      return ffi::Error::InvalidArgument(name + ": cuBLASLt FP8 matmul needs K % 16 == 0, got K = " +
-                                         std::to_string(p.k));
+      return ffi::Error::InvalidArgument(
+          name() + ": cuBLASLt FP8 matmul needs K % 16 == 0, got K = " + std::to_string(p.k));
   }
 
   const int64_t out_bytes = p.m * p.n * static_cast<int64_t>(ffi::ByteWidth(p.out_type));
@@ -407,7 +407,8 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
     e = api.cudaMemsetAsync(out->untyped_data(), 0, static_cast<size_t>(out_bytes * p.batch),
                             stream);
     if (e != cudaSuccess)
-      return ffi::Error::Internal(name + ": cudaMemsetAsync failed: " + api.cudaGetErrorString(e));
+      return ffi::Error::Internal(name() + ": cudaMemsetAsync failed: " +
+                                  api.cudaGetErrorString(e));
     return ffi::Error::Success();
   }
 
@@ -432,7 +433,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
       std::string error;
       auto made = MakePlan(api, *dev, key, p, kind, rhs_scale.untyped_data(),
                            lhs_scale.untyped_data(), &error);
-      if (made == nullptr) return ffi::Error(ffi::ErrorCode::kUnimplemented, name + ": " + error);
+      if (made == nullptr) return ffi::Error(ffi::ErrorCode::kUnimplemented, name() + ": " + error);
       it = plans.emplace(key, std::move(made)).first;
     }
     plan = it->second.get();
@@ -455,13 +456,14 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
       s = api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                              sizeof sb);
     if (s != CUBLAS_STATUS_SUCCESS)
-      return ffi::Error::Internal(name + ": " + CublasError(api, "setting the scale pointers", s));
+      return ffi::Error::Internal(name() + ": " +
+                                  CublasError(api, "setting the scale pointers", s));
     void* dg = d + g * out_bytes;
     s = api.cublasLtMatmul(dev->handle, plan->desc, &alpha, a_data + g * p.n * p.k, plan->a,
                            b_data + g * p.m * p.k, plan->b, &beta, dg, plan->d, dg, plan->d,
                            &plan->algo, workspace->untyped_data(), workspace->size_bytes(), stream);
     if (s != CUBLAS_STATUS_SUCCESS)
-      return ffi::Error::Internal(name + ": " + CublasError(api, "cublasLtMatmul", s));
+      return ffi::Error::Internal(name() + ": " + CublasError(api, "cublasLtMatmul", s));
   }
   return ffi::Error::Success();
 }

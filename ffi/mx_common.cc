@@ -43,7 +43,8 @@ std::string Shape(const ffi::AnyBuffer& b) {
 }
 
 ffi::Unexpected<ffi::Error> Invalid(const char* target, const std::string& what) {
-  return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(std::string(target) + ": " + what));
+  return ffi::Unexpected<ffi::Error>(
+      ffi::Error::InvalidArgument(std::string(target) + ": " + what));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@ Example:
 from jaxmx import recipes
 from jaxmx.dot_general import dot_general
 from jaxmx.einsum import einsum
+from jaxmx.ffi import backends
 from jaxmx.formats import FORMATS, SCALE_MODES, Format
 from jaxmx.matmul import matmul
 from jaxmx.mxarray import MXArray
@@ -23,6 +24,7 @@ __all__ = [
     "Format",
     "MXArray",
     "Recipe",
+    "backends",
     "dequantize",
     "dot_general",
     "einsum",

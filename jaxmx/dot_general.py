@@ -37,7 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx.matmul import matmul, resolve_backend
 from jaxmx.mxarray import MXArray
-from jaxmx.quantize import quantize
+from jaxmx.quantize import colwise_transposed, quantize
 from jaxmx.recipes import MXFP8, Recipe
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
@@ -199,10 +199,7 @@ def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _colwise_t(x, fmt: str, r: Recipe, key=None) -> MXArray:
     """x [B, M, K] quantized along M, stored transposed: [B, K, M], blocks along the last axis."""
-    # Transposing the high-precision input (XLA fuses it into the quantizer) rather than the
-    # quantized copy: XLA's constant folder mis-evaluates fp8 arrays that are transposed and then
-    # bitcast inside a nested computation (wrong bytes for jit-captured constants).
-    return quantize(x.swapaxes(-1, -2), fmt, axis=-1, scale_mode=r.scale_mode, key=key)
+    return colwise_transposed(x, fmt, r.scale_mode, key=key)
 
 
 def _named(q: MXArray, name: str) -> MXArray:

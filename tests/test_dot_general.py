@@ -345,16 +345,39 @@ def test_einsum_matches_reference():
         jaxmx.einsum("ij,jk,kl", x, w)
 
 
-def test_jit_with_captured_constants_matches_jit_with_arguments():
-    # XLA's constant folder evaluates computations on captured constants itself; it once got
-    # transposed fp8 copies wrong, so both ways must agree (and match the reference).
+@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+def test_jit_with_captured_constants_matches_jit_with_arguments(backend):
+    # XLA's constant folder evaluates computations on captured constants itself and gets bit
+    # manipulation of transposed fp8 copies wrong: both ways must agree and match the reference.
     x, w, g = outlier_inputs(32, 64, 16)
+    recipe = EMULATE.replace(backend=backend)
 
     def dx(a, b, c):
-        return jax.vjp(lambda a: jaxmx.dot_general(a, b, TN, recipe=EMULATE), a)[1](c)[0]
+        return jax.vjp(lambda a: jaxmx.dot_general(a, b, TN, recipe=recipe), a)[1](c)[0]
 
     with_args = jax.jit(dx)(x, w, g)
     with_constants = jax.jit(lambda: dx(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g)))()
     np.testing.assert_array_equal(with_args, with_constants)
     _, rdx, _ = ref_dense_vjp(x, w, g)
     np.testing.assert_allclose(np.asarray(with_args), rdx, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["ffi", "auto"])
+def test_other_backends_agree_with_emulation(backend):
+    """The native custom call (its C++ twin on the CPU) and auto-dispatch train like emulation."""
+    params, x = mlp_setup()
+    recipe = EMULATE.replace(backend=backend)
+    value, grads = jax.jit(jax.value_and_grad(loss_fn(recipe)))(params, x)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss_fn(EMULATE)))(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads, ref_grads
+    )
+    vmapped = jax.jit(jax.vmap(loss_fn(recipe), in_axes=(None, 0)))(params, jnp.stack([x, -x]))
+    np.testing.assert_allclose(vmapped[0], ref_value, rtol=1e-5)
+
+
+def test_ffi_backend_lowers_to_the_custom_call():
+    x, w = jnp.ones((8, 64)), jnp.ones((16, 64))
+    f = jax.jit(lambda x, w: jaxmx.dot_general(x, w, TN, recipe=EMULATE.replace(backend="ffi")))
+    assert "jaxmx_mx_matmul" in f.lower(x, w).as_text()

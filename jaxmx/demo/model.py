@@ -102,3 +102,36 @@ class Transformer(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x)).astype(jnp.float32)
+
+
+def generate(
+    model: Transformer,
+    prompt: bytes,
+    length: int,
+    *,
+    seq_len: int,
+    temperature: float = 0.8,
+    seed: int = 0,
+) -> bytes:
+    """Samples ``length`` bytes after ``prompt`` (the context is the last ``seq_len`` bytes).
+
+    Example:
+        >>> from flax import nnx
+        >>> m = Transformer(vocab=256, d_model=32, layers=1, heads=2, seq_len=16, rngs=nnx.Rngs(0))
+        >>> len(generate(m, b"def ", 5, seq_len=16))
+        5
+    """
+
+    @nnx.jit
+    def next_logits(model, window, last):
+        return model(window)[0, last]
+
+    tokens = list(prompt) or [ord("\n")]
+    key = jax.random.key(seed)
+    for _ in range(length):
+        context = tokens[-seq_len:]
+        window = jnp.zeros((1, seq_len), jnp.int32).at[0, : len(context)].set(jnp.array(context))
+        logits = next_logits(model, window, len(context) - 1)
+        key, sub = jax.random.split(key)
+        tokens.append(int(jax.random.categorical(sub, logits / temperature)))
+    return bytes(tokens[-length:]) if length else b""

@@ -55,7 +55,7 @@ def write(runs: tuple[RunResult, RunResult], out: str | Path, *, config=None, re
         "config": dataclasses.asdict(config) if config is not None else None,
         "recipe": repr(recipe),
         "unigram_entropy": unigram,
-        "runs": {r.name: _run_dict(r) for r in runs},
+        "runs": {r.name: r.to_dict() for r in runs},
     }
     history_path = out / "history.json"
     history_path.write_text(json.dumps(history, indent=1))
@@ -63,12 +63,6 @@ def write(runs: tuple[RunResult, RunResult], out: str | Path, *, config=None, re
     ratio = candidate.step_time / baseline.step_time
     text += f"\nwrote {png}, {summary_path}, {history_path}"
     return Summary(text, gap, ratio, unigram, png, [png, summary_path, history_path])
-
-
-def _run_dict(r: RunResult) -> dict:
-    d = dataclasses.asdict(r)
-    d.update(final_train=r.final_train, final_val=r.final_val, step_time=r.step_time)
-    return d
 
 
 def relative_gap(value: float, reference: float) -> float:

@@ -53,6 +53,13 @@ class RunResult:
     step_times: list[float] = dataclasses.field(default_factory=list)  # seconds, excluding step 1
     compile_time: float = 0.0  # first step, compilation included
     wall_time: float = 0.0  # the whole run: build, compile, train, evaluate
+    model: Transformer | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """The losses and timings (not the model) as plain JSON-able values."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        d.update(final_train=self.final_train, final_val=self.final_val, step_time=self.step_time)
+        return d
 
     @property
     def final_train(self) -> float:
@@ -144,13 +151,14 @@ def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool =
     result.val_steps.append(cfg.steps)
     result.val_loss.append(evaluate(model, val_batches))
     result.wall_time = time.perf_counter() - start
+    result.model = model
     return result
 
 
 def _progress(total: int, name: str, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     return tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
 

@@ -44,7 +44,6 @@ namespace {
   X(cudaRuntimeGetVersion)        \
   X(cudaDriverGetVersion)         \
   X(cudaGetErrorString)           \
-  X(cudaGetDevice)                \
   X(cudaDeviceGetAttribute)       \
   X(cudaMemsetAsync)
 
@@ -68,9 +67,6 @@ struct Api {
   JAXMX_CUDART_FUNCTIONS(JAXMX_DECLARE)
   JAXMX_CUBLASLT_FUNCTIONS(JAXMX_DECLARE)
 #undef JAXMX_DECLARE
-#if CUDART_VERSION >= 12080
-  decltype(&::cudaStreamGetDevice) cudaStreamGetDevice = nullptr;  // optional (CUDA >= 12.8)
-#endif
   CudaLibraryInfo info;
 };
 
@@ -139,10 +135,6 @@ const Api& GetApi() {
 #undef JAXMX_RESOLVE_RT
 #undef JAXMX_RESOLVE_LT
 #undef JAXMX_RESOLVE
-#if CUDART_VERSION >= 12080
-    a->cudaStreamGetDevice = reinterpret_cast<decltype(a->cudaStreamGetDevice)>(
-        dlsym(rt, JAXMX_STR(cudaStreamGetDevice)));
-#endif
     if (!missing.empty()) {
       a->info.error = "symbols missing from " + a->info.cudart + " / " + a->info.cublaslt + ":" +
                       missing;
@@ -342,7 +334,8 @@ std::string Version(int v, int major_div) {  // 130100 -> "13.1" (div 10000); 13
   return std::to_string(v / major_div) + "." + std::to_string(v % major_div / (major_div / 100));
 }
 
-ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi::AnyBuffer lhs,
+ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int32_t device,
+                    ffi::AnyBuffer lhs,
                     ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
   auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
@@ -359,15 +352,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
                       name() + ": cuBLASLt " + Version(api.info.cublaslt_version, 10000) +
                           " is loaded; MX block scaling needs CUDA/cuBLASLt >= 12.8");
 
-  int device = -1;
-  cudaError_t e = cudaErrorUnknown;
-#if CUDART_VERSION >= 12080
-  if (api.cudaStreamGetDevice != nullptr) e = api.cudaStreamGetDevice(stream, &device);
-#endif
-  if (e != cudaSuccess) e = api.cudaGetDevice(&device);
-  if (e != cudaSuccess)
-    return ffi::Error::Internal(name() + ": could not find the stream's device: " +
-                                api.cudaGetErrorString(e));
+  cudaError_t e = cudaSuccess;
 
   const DeviceState* dev;
   {
@@ -468,19 +453,21 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, ffi
   return ffi::Error::Success();
 }
 
-ffi::Error MxMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+ffi::Error MxMatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                            ffi::AnyBuffer rhs,
                             ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace) {
-  return GemmCuda("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, stream, lhs, rhs, lhs_scale,
+  return GemmCuda("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, stream, device, lhs, rhs, lhs_scale,
                   rhs_scale, out, workspace);
 }
 
-ffi::Error Fp8MatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+ffi::Error Fp8MatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                             ffi::AnyBuffer rhs,
                              ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer> workspace) {
-  return GemmCuda("jaxmx_fp8_matmul", ScaleKind::kTensorF32, stream, lhs, rhs, lhs_scale,
+  return GemmCuda("jaxmx_fp8_matmul", ScaleKind::kTensorF32, stream, device, lhs, rhs, lhs_scale,
                   rhs_scale, out, workspace);
 }
 
@@ -512,6 +499,7 @@ DeviceInfo QueryDevice(int ordinal) {
 #define JAXMX_CUDA_BINDING                                             \
   xla::ffi::Ffi::Bind()                                                \
       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                   \
+      .Ctx<xla::ffi::DeviceOrdinal>() /* XLA's CUDA device ordinal */  \
       .Arg<xla::ffi::AnyBuffer>()   /* lhs [..., M, K] fp8 */          \
       .Arg<xla::ffi::AnyBuffer>()   /* rhs [..., N, K] fp8 */          \
       .Arg<xla::ffi::AnyBuffer>()   /* lhs scales */                   \

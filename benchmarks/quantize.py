@@ -1,0 +1,124 @@
+"""Quantize throughput against a plain elementwise pass over the same tensor.
+
+For each N, on an [N, N] bfloat16 tensor, times (jitted, medians over interleaved repeats):
+
+- ``baseline``: ``x * 2`` (read bf16, write bf16): the bytes-moved floor of an elementwise pass;
+- ``quantize``: one MX copy (default E4M3, rceil) along the last axis;
+- ``row+col``: ``quantize_rowwise_colwise``, both copies (the second one physically transposed).
+
+Each is printed as median wall milliseconds, as a ratio to the baseline's median and as GB/s of
+the bytes that must move (input read once; data + scales written; E2M1 counted packed). The
+process CPU time (all threads) is printed too: on a shared machine it is less sensitive to other
+jobs than wall time.
+
+Usage:
+    python benchmarks/quantize.py                       # 4096 x 4096
+    python benchmarks/quantize.py --sizes 1024 2048 4096 8192 --repeats 20
+    python benchmarks/quantize.py --breakdown             # plus the pieces of the cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxmx
+from jaxmx.formats import get_format
+
+
+def _time_interleaved(fns: dict, x, warmup: int, repeats: int):
+    """Median wall and CPU seconds per function; one call of each per round, so that drift in
+    the machine's load hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn(x))
+    wall = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            w, c = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(x))
+            wall[name].append(time.perf_counter() - w)
+            cpu[name].append(time.process_time() - c)
+    med = statistics.median
+    return {k: med(v) for k, v in wall.items()}, {k: med(v) for k, v in cpu.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096])
+    parser.add_argument("--fmt", default="mxfp8_e4m3")
+    parser.add_argument("--scale-mode", default="rceil")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the pieces: block amax, saturating fp8 cast, bf16 transpose, quantize "
+        "along axis 0 (no transpose), quantize of x.reshape(N, N/32, 32) (same bytes)",
+    )
+    args = parser.parse_args()
+
+    fmt, mode = args.fmt, args.scale_mode
+    fns = {
+        "baseline": jax.jit(lambda x: x * 2),
+        "quantize": jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=-1, scale_mode=mode)),
+        "row+col": jax.jit(lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, mode)),
+    }
+    elem_bytes = 0.5 if fmt == "mxfp4" else 1.0
+    dtype = get_format(fmt).dtype
+    elem_max = get_format(fmt).elem_max
+    if args.breakdown:
+        fns |= {
+            "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, 32)), -1)),
+            "cast": jax.jit(lambda x: jnp.clip(x, -elem_max, elem_max).astype(dtype)),
+            "x.T": jax.jit(lambda x: x.T),
+            "q axis 0": jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=0, scale_mode=mode)),
+            "q 3-D": jax.jit(
+                lambda x: jaxmx.quantize(x.reshape(x.shape[0], -1, 32), fmt, scale_mode=mode)
+            ),
+        }
+
+    dev = jax.devices()[0]
+    print(
+        f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}, {os.cpu_count()} cores), "
+        f"{fmt} {mode}, bfloat16 [N, N] input; medians of {args.repeats} interleaved repeats "
+        f"after {args.warmup} warmups; load average {os.getloadavg()[0]:.1f}"
+    )
+    header = (
+        f"| {'N':>5} | {'op':<8} | {'wall ms':>8} | {'x baseline':>10} | {'GB/s':>6} "
+        f"| {'cpu ms':>8} | {'cpu x baseline':>14} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for n in args.sizes:
+        x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+        wall, cpu = _time_interleaved(fns, x, args.warmup, args.repeats)
+        size = n * n
+        one_copy = size * elem_bytes + size / 32  # data + E8M0 scales
+        moved = {
+            "baseline": 2 * size + 2 * size,
+            "quantize": 2 * size + one_copy,
+            "row+col": 2 * size + 2 * one_copy,
+            "amax": 2 * size + size / 32 * 2,
+            "cast": 2 * size + size * elem_bytes,
+            "x.T": 2 * size + 2 * size,
+            "q axis 0": 2 * size + one_copy,
+            "q 3-D": 2 * size + one_copy,
+        }
+        for name in fns:
+            print(
+                f"| {n:>5} | {name:<8} | {wall[name] * 1e3:>8.2f} "
+                f"| {wall[name] / wall['baseline']:>10.2f} "
+                f"| {moved[name] / wall[name] / 1e9:>6.1f} | {cpu[name] * 1e3:>8.2f} "
+                f"| {cpu[name] / cpu['baseline']:>14.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -27,7 +27,7 @@ class Summary:
 
     text: str
     val_gap: float  # relative gap of the final validation loss, MXFP8 vs BF16
-    time_ratio: float  # median step time MXFP8 / BF16
+    time_ratio: float  # step time MXFP8 / BF16 (RunResult.step_time)
     unigram: float  # unigram entropy of the validation bytes (nats/byte)
     plot: Path
     files: list[Path]

@@ -53,6 +53,7 @@ class RunResult:
     step_times: list[float] = dataclasses.field(default_factory=list)  # seconds, excluding step 1
     compile_time: float = 0.0  # first step, compilation included
     wall_time: float = 0.0  # the whole run: build, compile, train, evaluate
+    bench_step_time: float | None = None  # seconds per step, timed interleaved (see benchmark)
     model: Transformer | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -74,7 +75,9 @@ class RunResult:
 
     @property
     def step_time(self) -> float:
-        """Median seconds per training step after compilation."""
+        """Seconds per training step: the interleaved benchmark if run, else the training median."""
+        if self.bench_step_time is not None:
+            return self.bench_step_time
         return float(np.median(self.step_times)) if self.step_times else float("nan")
 
 
@@ -111,12 +114,8 @@ def evaluate(model, batches) -> float:
     return float(np.mean([float(eval_step(model, x, y)) for x, y in batches]))
 
 
-def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool = True) -> RunResult:
-    """Trains one model from ``cfg.seed`` on the fixed data order; ``recipe=None`` is BF16."""
-    start = time.perf_counter()
-    name = name or ("bf16" if recipe is None else "mxfp8")
-    train_data, val_data = data.load_splits()
-    model = build_model(cfg, recipe)
+def make_optimizer(cfg: Config, model: Transformer) -> nnx.Optimizer:
+    """AdamW (b2 0.95, weight decay) with linear warmup, cosine decay to lr/10, clipping at 1."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10
     )
@@ -124,7 +123,16 @@ def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool =
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
     )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool = True) -> RunResult:
+    """Trains one model from ``cfg.seed`` on the fixed data order; ``recipe=None`` is BF16."""
+    start = time.perf_counter()
+    name = name or ("bf16" if recipe is None else "mxfp8")
+    train_data, val_data = data.load_splits()
+    model = build_model(cfg, recipe)
+    optimizer = make_optimizer(cfg, model)
     val_batches = data.eval_batches(val_data, cfg.batch, cfg.seq_len, cfg.eval_batches)
     result = RunResult(name)
     batches = data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed)
@@ -176,8 +184,41 @@ def get_recipe(name: str = "mxfp8", backend: str | None = None):
     return recipe if backend is None else dataclasses.replace(recipe, backend=backend)
 
 
+def benchmark(cfg: Config, recipes: dict, *, rounds: int = 5, steps: int = 8) -> dict:
+    """Seconds per training step of each ``{name: recipe}``, timed side by side.
+
+    Other processes on a shared machine slow the separate training runs unequally, so the
+    step-time ratio is measured here instead: ``rounds`` rounds, each timing ``steps`` steps of
+    every variant in turn (fresh models, compiled steps), keeping each variant's fastest round.
+    """
+    x, y = (
+        jnp.asarray(a)
+        for a in next(data.batches(data.load_splits()[0], cfg.batch, cfg.seq_len, cfg.seed))
+    )
+    states = {}
+    for name, recipe in recipes.items():
+        model = build_model(cfg, recipe)
+        optimizer = make_optimizer(cfg, model)
+        train_step(model, optimizer, x, y).block_until_ready()  # compiled by train(): a warm-up
+        states[name] = (model, optimizer)
+    best = dict.fromkeys(recipes, float("inf"))
+    for _ in range(rounds):
+        for name, (model, optimizer) in states.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = train_step(model, optimizer, x, y)
+            loss.block_until_ready()
+            best[name] = min(best[name], (time.perf_counter() - t0) / steps)
+    return best
+
+
 def compare(cfg: Config, recipe, *, progress: bool = True) -> tuple[RunResult, RunResult]:
-    """BF16 then ``recipe``, same seed and data order: ``(bf16_run, mx_run)``."""
+    """BF16 then ``recipe``, same seed and data order: ``(bf16_run, mx_run)``.
+
+    Then times both training steps side by side (:func:`benchmark`) for the step-time ratio.
+    """
     baseline = train(cfg, None, name="bf16", progress=progress)
     candidate = train(cfg, recipe, name="mxfp8", progress=progress)
+    times = benchmark(cfg, {"bf16": None, "mxfp8": recipe})
+    baseline.bench_step_time, candidate.bench_step_time = times["bf16"], times["mxfp8"]
     return baseline, candidate

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"{cfg}\n{recipe}")
-    runs = compare(cfg, recipe, progress=not args.no_progress)
+    runs = compare(cfg, recipe, name=args.recipe, progress=not args.no_progress)
     summary = report.write(runs, args.out, config=cfg, recipe=recipe)
     print(summary.text)
     return 0

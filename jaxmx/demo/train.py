@@ -212,13 +212,15 @@ def benchmark(cfg: Config, recipes: dict, *, rounds: int = 5, steps: int = 8) ->
     return best
 
 
-def compare(cfg: Config, recipe, *, progress: bool = True) -> tuple[RunResult, RunResult]:
-    """BF16 then ``recipe``, same seed and data order: ``(bf16_run, mx_run)``.
+def compare(
+    cfg: Config, recipe, *, name: str = "mxfp8", progress: bool = True
+) -> tuple[RunResult, RunResult]:
+    """BF16 then ``recipe`` (run ``name``), same seed and data order: ``(bf16_run, mx_run)``.
 
     Then times both training steps side by side (:func:`benchmark`) for the step-time ratio.
     """
     baseline = train(cfg, None, name="bf16", progress=progress)
-    candidate = train(cfg, recipe, name="mxfp8", progress=progress)
-    times = benchmark(cfg, {"bf16": None, "mxfp8": recipe})
-    baseline.bench_step_time, candidate.bench_step_time = times["bf16"], times["mxfp8"]
+    candidate = train(cfg, recipe, name=name, progress=progress)
+    times = benchmark(cfg, {"bf16": None, name: recipe})
+    baseline.bench_step_time, candidate.bench_step_time = times["bf16"], times[name]
     return baseline, candidate

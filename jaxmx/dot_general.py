@@ -33,10 +33,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx.matmul import matmul, resolve_backend
 from jaxmx.mxarray import MXArray
+from jaxmx.partitioning import check_block_alignment, dim, varying_axes
 from jaxmx.quantize import colwise_transposed, quantize
 from jaxmx.recipes import MXFP8, Recipe
 
@@ -150,12 +152,20 @@ class _Dims(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _mx_bmm(static: _Static, x, w, key):
-    y, _ = _mx_bmm_fwd(static, x, w, key)
+    y, _ = _forward(static, x, w, key, training=False)
     return y
 
 
 def _mx_bmm_fwd(static: _Static, x, w, key):
+    return _forward(static, x, w, key, training=True)
+
+
+def _forward(static: _Static, x, w, key, training: bool):
     r = static.recipe
+    # Sharded reduction axes must be split into whole blocks: K here; with training, also the
+    # rows of x (M, reduced by wgrad) and of w (N, reduced by dgrad), for the columnwise copies.
+    x = check_block_alignment(x, _WHERE, "lhs", _reduced(x.shape, "K", *("M",) * training))
+    w = check_block_alignment(w, _WHERE, "rhs", _reduced(w.shape, "K", *("N",) * training))
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
     if r.residuals == "quantized":
         saved = (
@@ -175,6 +185,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         x_col, w_col = x_saved, w_saved
     else:
         x_col, w_col = _colwise_t(x_saved, r.fwd, r), _colwise_t(w_saved, r.fwd, r)
+    g = check_block_alignment(g, _WHERE, "the output gradient", _reduced(g.shape, "N", "M"))
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -182,10 +193,45 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     g_col = _colwise_t(g, r.grad, r, col_key)  # [B, N, M] along M
     dx = matmul(g_row, w_col, x_dtype.dtype, r.backend)  # [B, M, K]
     dw = matmul(g_col, x_col, w_dtype.dtype, r.backend)  # [B, N, K]
-    return dx, dw, None
+    return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
+
+
+def _vma_like(ct, primal):
+    """``ct`` varying over the same ``shard_map`` axes as ``primal`` (what autodiff does itself).
+
+    Inside ``shard_map``, the cotangent of an operand that is the same on every device (e.g.
+    replicated weights in data parallelism) is summed over the axes along which the gradient
+    varies; an operand that varies where the cotangent does not gets it broadcast (``pcast``).
+    Outside ``shard_map`` both sets are empty.
+    """
+    want, have = varying_axes(jax.tree.leaves(primal)[0]), varying_axes(ct)
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = lax.psum(ct, extra)
+    missing = tuple(sorted(want - have))
+    if missing:
+        ct = lax.pcast(ct, missing, to="varying")
+    return ct
 
 
 _mx_bmm.defvjp(_mx_bmm_fwd, _mx_bmm_bwd)
+
+
+_WHERE = "jaxmx.dot_general"
+_AXES = {  # canonical axis -> (what it is, a hint), for BlockShardingError messages
+    "K": ("the contracting dimension(s), reduced by the forward GEMM", ""),
+    "M": (
+        "the lhs free dimension(s) flattened, reduced by the weight-gradient GEMM",
+        "e.g. a larger per-device batch or sequence",
+    ),
+    "N": ("the rhs free dimension(s) flattened, reduced by the input-gradient GEMM", ""),
+}
+
+
+def _reduced(shape, *names):
+    """Checks for the axes of a canonical [B, rows, cols] operand that its GEMMs reduce."""
+    index = {"K": 2, "M": 1, "N": 1} if names[0] == "K" else {"N": 2, "M": 1}
+    return tuple(dim(index[n], shape[index[n]], n, *_AXES[n]) for n in names)
 
 
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx import partitioning
 from jaxmx.formats import BLOCK_SIZE, FORMATS
 from jaxmx.mxarray import MXArray
 from jaxmx.swizzle import swizzle_scales
@@ -263,6 +264,15 @@ def _check_out_dtype(out_dtype, fn: str):
 
 @functools.cache
 def _mx_call(out_dtype):
+    # vmap outside, SPMD partitioning inside: each device swizzles the scales of its own blocks.
+    gemm = partitioning.partitioned_gemm(_mx_per_shard, out_dtype, "jaxmx.ffi.mx_matmul")
+    return partitioning.vmappable(gemm, fold=(True, False, True, False))
+
+
+@functools.cache
+def _mx_per_shard(out_dtype):
+    """The custom call on (one device's) operands: swizzles the compact scales, then calls."""
+
     def impl(a_data, b_data, a_scale, b_scale):
         def call(workspace: int, n_multiple: int):
             def run(a_data, b_data, a_scale, b_scale):
@@ -275,7 +285,8 @@ def _mx_call(out_dtype):
                         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
                     ),
                 )(a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale))
-                return out[..., :n]
+                # inside shard_map: varying like the operands (ffi_call results are not)
+                return partitioning.vary_like(out[..., :n], a_data, b_data, a_scale, b_scale)
 
             return run
 
@@ -288,7 +299,7 @@ def _mx_call(out_dtype):
             cuda=call(WORKSPACE_BYTES, _N_MULTIPLE),
         )
 
-    return _batched(impl, fold=(True, False, True, False))
+    return impl
 
 
 def _pad_rows(data, scale, multiple: int):
@@ -389,7 +400,7 @@ def _fp8_call(out_dtype):
                         jax.ShapeDtypeStruct((workspace,), jnp.uint8),
                     ),
                 )(a_fp8, b_fp8, a_scale, b_scale)
-                return out[..., :n]
+                return partitioning.vary_like(out[..., :n], a_fp8, b_fp8, a_scale, b_scale)
 
             return run
 
@@ -402,37 +413,4 @@ def _fp8_call(out_dtype):
             cuda=call(WORKSPACE_BYTES, _N_MULTIPLE),
         )
 
-    return _batched(impl, fold=(True, False, False, False))
-
-
-# --- vmap ------------------------------------------------------------------------------------
-
-
-def _batched(impl, fold):
-    """``impl(lhs, rhs, lhs_scale, rhs_scale)`` (equal leading batch dims) made vmappable.
-
-    Under ``vmap`` the batch becomes a leading dim of one custom call (one workspace), not a
-    loop: when only the lhs (and, for ``fold``'s pattern, its scales) is batched and the rhs has no
-    batch dims, the batch is folded into M (one bigger GEMM); otherwise unbatched operands are
-    broadcast.
-    """
-    f = jax.custom_batching.custom_vmap(impl)
-
-    @f.def_vmap
-    def rule(axis_size, in_batched, lhs, rhs, lhs_scale, rhs_scale):
-        args = (lhs, rhs, lhs_scale, rhs_scale)
-        if tuple(in_batched) == fold and rhs.ndim == 2:
-            m = lhs.shape[1]
-            flat = [
-                x.reshape(axis_size * m, *x.shape[2:]) if b else x
-                for x, b in zip(args, fold, strict=True)
-            ]
-            out = f(*flat)
-            return out.reshape(axis_size, m, out.shape[-1]), True
-        args = [
-            x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, b in zip(args, in_batched, strict=True)
-        ]
-        return f(*args), True
-
-    return f
+    return partitioning.vmappable(impl, fold=(True, False, False, False))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx import partitioning
 from jaxmx.mxarray import MXArray
 from jaxmx.quantize import dequantize
 
@@ -60,21 +61,41 @@ def resolve_backend(backend: str) -> str:
 
 @functools.partial(jax.jit, static_argnums=2)
 def _emulate(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
-    operand_dtype = jnp.bfloat16 if jax.default_backend() in _ACCELERATORS else jnp.float32
-    batch = tuple(range(a.data.ndim - 2))
-    k = a.data.ndim - 1
-    out = lax.dot_general(
-        dequantize(_padded(a), operand_dtype),
-        dequantize(_padded(b), operand_dtype),
-        (((k,), (k,)), (batch, batch)),
-        preferred_element_type=jnp.float32,
+    call = _emulate_call(jnp.dtype(out_dtype), a.fmt, b.fmt)
+    return call(a.data, b.data, a.scale, b.scale)
+
+
+@functools.cache
+def _emulate_call(out_dtype, a_fmt: str, b_fmt: str):
+    # The native GEMM's SPMD partitioning rule (jaxmx.partitioning), so a sharded emulated GEMM
+    # communicates what the native one does: 1-byte codes and scales, float32 partial sums.
+    gemm = partitioning.partitioned_gemm(
+        _emulate_per_shard(a_fmt, b_fmt), out_dtype, "jaxmx.matmul"
     )
-    return out.astype(out_dtype)
+    return partitioning.vmappable(gemm, fold=(True, False, True, False))
 
 
-def _padded(q: MXArray) -> MXArray:
-    """The same operand with its logical K set to the padded K (padding codes are zero)."""
-    return MXArray(q.data, q.scale, q.fmt, q.axis, tuple(q.data.shape))
+@functools.cache
+def _emulate_per_shard(a_fmt: str, b_fmt: str):
+    @functools.cache
+    def per_shard(out_dtype):
+        def gemm(a_data, b_data, a_scale, b_scale):
+            a = MXArray(a_data, a_scale, a_fmt, a_data.ndim - 1, tuple(a_data.shape))
+            b = MXArray(b_data, b_scale, b_fmt, b_data.ndim - 1, tuple(b_data.shape))
+            operand_dtype = jnp.bfloat16 if jax.default_backend() in _ACCELERATORS else jnp.float32
+            batch = tuple(range(a_data.ndim - 2))
+            k = a_data.ndim - 1
+            out = lax.dot_general(
+                dequantize(a, operand_dtype),
+                dequantize(b, operand_dtype),
+                (((k,), (k,)), (batch, batch)),
+                preferred_element_type=jnp.float32,
+            )
+            return out.astype(out_dtype)
+
+        return gemm
+
+    return per_shard
 
 
 def _check_operands(a: MXArray, b: MXArray) -> None:

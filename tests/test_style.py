@@ -1,0 +1,23 @@
+"""The code base stays lint-clean and formatted (ruff, configured in pyproject.toml)."""
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def ruff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def test_ruff_check_is_clean():
+    result = ruff("check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_clean():
+    result = ruff("format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr

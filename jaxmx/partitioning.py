@@ -1,4 +1,4 @@
-"""SPMD support: MX blocks that follow shard boundaries, and the native GEMM's partitioning rule.
+"""SPMD support: MX blocks that follow shard boundaries, and the MX GEMM's partitioning rule.
 
 Two pieces, both used under ``jax.jit`` with sharded arguments (see docs/distributed.md):
 
@@ -8,13 +8,13 @@ Two pieces, both used under ``jax.jit`` with sharded arguments (see docs/distrib
   reduces. The sharding XLA chose is read at compile time (``jax.debug.inspect_array_sharding``,
   which works for every backend and under ``vmap``, ``scan`` and remat), or at trace time when the
   mesh axes are ``Explicit``; a misaligned axis raises :class:`BlockShardingError`.
-- :func:`partitioned_gemm`: wraps the per-shard native GEMM in
-  ``jax.experimental.custom_partitioning`` with a Shardy sharding rule, so XLA partitions the
-  custom call instead of gathering its operands: rows M of the lhs, rows N of the rhs and the
-  batch dims stay sharded, K is sharded together with its K/32 scale blocks, and a sharded K ends
-  in a float32 ``psum`` (or a ``psum_scatter`` when the result is wanted sharded along the same
-  mesh axes). The compact scales are swizzled inside the per-shard function, i.e. per device and
-  after any communication.
+- :func:`partitioned_gemm`: wraps a per-shard GEMM (the native custom call of ``jaxmx.ffi``, or
+  the emulation of ``jaxmx.matmul``) in ``jax.experimental.custom_partitioning`` with a Shardy
+  sharding rule, so XLA partitions it instead of gathering its operands: rows M of the lhs, rows
+  N of the rhs and the batch dims stay sharded, K is sharded together with its K/32 scale
+  blocks, and a sharded K ends in a float32 ``psum`` (or a ``psum_scatter`` when the result is
+  wanted sharded along the same mesh axes). The native GEMM swizzles the compact scales inside
+  the per-shard function, i.e. per device and after any communication.
 
 Example:
     >>> import jax.numpy as jnp

@@ -169,8 +169,8 @@ def _forward(static: _Static, x, w, key, training: bool):
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
     if r.residuals == "quantized":
         saved = (
-            _named(_colwise_t(x, r.fwd, r), LHS_COLWISE),
-            _named(_colwise_t(w, r.fwd, r), RHS_COLWISE),
+            _named(_colwise(x, r.fwd, r), LHS_COLWISE),
+            _named(_colwise(w, r.fwd, r), RHS_COLWISE),
         )
     else:
         saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
@@ -184,15 +184,15 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:
-        x_col, w_col = _colwise_t(x_saved, r.fwd, r), _colwise_t(w_saved, r.fwd, r)
+        x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
     g = check_block_alignment(g, _WHERE, "the output gradient", _reduced(g.shape, "N", "M"))
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
-    g_col = _colwise_t(g, r.grad, r, col_key)  # [B, N, M] along M
-    dx = matmul(g_row, w_col, x_dtype.dtype, r.backend)  # [B, M, K]
-    dw = matmul(g_col, x_col, w_dtype.dtype, r.backend)  # [B, N, K]
+    g_col = _colwise(g, r.grad, r, col_key)  # along M
+    dx = matmul(g_row, w_col, x_dtype.dtype, r.backend)  # [B, M, K], reduces N
+    dw = matmul(g_col, x_col, w_dtype.dtype, r.backend)  # [B, N, K], reduces M
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
 
 
@@ -243,9 +243,15 @@ def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _colwise_t(x, fmt: str, r: Recipe, key=None) -> MXArray:
-    """x [B, M, K] quantized along M, stored transposed: [B, K, M], blocks along the last axis."""
-    return colwise_transposed(x, fmt, r.scale_mode, key=key)
+def _colwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
+    """x [B, M, K] quantized along M: for the native GEMM stored transposed, [B, K, M] (TN).
+
+    Emulation contracts the untransposed copy directly: a transposed copy would make XLA fuse
+    quantize, transpose and dequantize into one loop with strided reads of x.
+    """
+    if r.backend == "ffi":
+        return colwise_transposed(x, fmt, r.scale_mode, key=key)
+    return quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
 
 
 def _named(q: MXArray, name: str) -> MXArray:

@@ -180,19 +180,35 @@ def _axes(entry) -> tuple[str, ...]:
 # divide K/32 into sub-axes, which the partition callback cannot receive, and it could choose such
 # a layout on its own; as separate factors a misaligned K reaches the callback, which raises
 # BlockShardingError.
-_GEMM_RULE = "... m k, ... n k, ... m kb, ... n kb -> ... m n"
+TN = ("mk", "nk")
+"""Operand layouts: each operand's last two axes are (rows, K) -- "mk"/"nk", the TN form -- or
+(K, rows) -- "km"/"kn", an operand quantized along its first axis and kept untransposed."""
 
 
-def partitioned_gemm(per_shard: Callable, out_dtype, where: str) -> Callable:
+def _gemm_rule(layout: tuple[str, str]) -> str:
+    """The Shardy rule for operands in ``layout``, e.g. TN: ``... m k, ... n k, ... m kb, ...``."""
+    a, b = (" ".join(side) for side in layout)
+    a_scale, b_scale = (" ".join("kb" if c == "k" else c for c in side) for side in layout)
+    return f"... {a}, ... {b}, ... {a_scale}, ... {b_scale} -> ... m n"
+
+
+def _k_last(side: str) -> bool:
+    return side[-1] == "k"
+
+
+def partitioned_gemm(
+    per_shard: Callable, out_dtype, where: str, layout: tuple[str, str] = TN
+) -> Callable:
     """The GEMM ``per_shard(out_dtype)(a, b, a_scale, b_scale)``, partitioned by XLA (SPMD).
 
     Args:
         per_shard: ``per_shard(dtype)`` returns a function of ``a [..., M, K]``,
             ``b [..., N, K]`` and their compact scales ``[..., M, K/32]``, ``[..., N, K/32]``
-            that computes ``[..., M, N]`` in ``dtype``. It must be hashable (e.g. a cached
-            module-level function).
+            (or the K-first forms of ``layout``) that computes ``[..., M, N]`` in ``dtype``. It
+            must be hashable (e.g. a cached module-level function).
         out_dtype: the result dtype.
         where: the API name used in error messages.
+        layout: the operands' layouts, :data:`TN` or with "km" / "kn" for K-first operands.
 
     On one device ``per_shard`` runs as is. Under a multi-device ``jit``, XLA calls the partition
     rule with the shardings it propagated and ``per_shard`` runs on each device's blocks:
@@ -205,19 +221,23 @@ def partitioned_gemm(per_shard: Callable, out_dtype, where: str) -> Callable:
     def gemm(a, b, a_scale, b_scale):
         # Checked on the codes before the call as well: a misaligned K usually reaches the scales
         # split into mesh sub-axes, which the partition callback cannot be given.
-        k = dim(a.ndim - 1, a.shape[-1], "K", "the contracting dimension")
+        ka, kb = (
+            x.ndim - 1 if _k_last(side) else x.ndim - 2
+            for x, side in zip((a, b), layout, strict=True)
+        )
+        k = dim(ka, a.shape[ka], "K", "the contracting dimension")
         a = check_block_alignment(a, where, "the lhs", (k,))
-        b = check_block_alignment(b, where, "the rhs", (dataclasses.replace(k, axis=b.ndim - 1),))
+        b = check_block_alignment(b, where, "the rhs", (dataclasses.replace(k, axis=kb),))
         args = (a, b, a_scale, b_scale)
         dtypes = tuple(jnp.dtype(x.dtype) for x in args)
-        op = _partitioned(per_shard, out_dtype, dtypes, where)
+        op = _partitioned(per_shard, out_dtype, dtypes, where, layout)
         return op(*(_to_bytes(x) for x in args))
 
     return gemm
 
 
 @functools.cache
-def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str):
+def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, layout: tuple[str, str]):
     def local(dtype, args):
         return per_shard(dtype)(*(_from_bytes(x, t) for x, t in zip(args, dtypes, strict=True)))
 
@@ -226,7 +246,7 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str):
         return local(out_dtype, (a, b, a_scale, b_scale))
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _plan(mesh, arg_shapes, result_shape, where)
+        plan = _plan(mesh, arg_shapes, result_shape, where, layout)
 
         def lower(a, b, a_scale, b_scale):
             args = (a, b, a_scale, b_scale)
@@ -243,12 +263,12 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str):
         return mesh, lower, plan.result_sharding, plan.arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD propagation (Shardy uses the rule)
-        return _plan(mesh, arg_shapes, result_shape, where).result_sharding
+        return _plan(mesh, arg_shapes, result_shape, where, layout).result_sharding
 
     gemm.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=_GEMM_RULE,
+        sharding_rule=_gemm_rule(layout),
         reduction_factors=("k", "kb"),
     )
     return gemm
@@ -274,7 +294,7 @@ class _Plan:
     result_sharding: NamedSharding
 
 
-def _plan(mesh, arg_shapes, result_shape, where: str) -> _Plan:
+def _plan(mesh, arg_shapes, result_shape, where: str, layout: tuple[str, str]) -> _Plan:
     """Consistent shardings for the four operands and the result, from the propagated ones.
 
     Each mesh axis is used once: batch dims first (from the lhs, else the rhs), then the lhs rows
@@ -294,14 +314,16 @@ def _plan(mesh, arg_shapes, result_shape, where: str) -> _Plan:
                 return axes
         return ()
 
+    a_k, b_k = (nb + 1 if _k_last(side) else nb for side in layout)
+    a_rows, b_rows = 2 * nb + 1 - a_k, 2 * nb + 1 - b_k
     batch = [take(a_spec[i], b_spec[i]) for i in range(nb)]
-    m = take(a_spec[nb])
-    n = take(b_spec[nb])
-    k = take(a_spec[nb + 1], b_spec[nb + 1])
+    m = take(a_spec[a_rows])
+    n = take(b_spec[b_rows])
+    k = take(a_spec[a_k], b_spec[b_k])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    k_size, k_shards = a.shape[-1], math.prod(sizes[x] for x in k)
+    k_size, k_shards = a.shape[a_k], math.prod(sizes[x] for x in k)
     if k and k_size % (BLOCK_SIZE * k_shards):
-        d = dim(nb + 1, k_size, "K", "the contracting dimension")
+        d = dim(a_k, k_size, "K", "the contracting dimension")
         raise BlockShardingError(misaligned_message(where, "the lhs", d, k, k_shards))
 
     # A result wanted sharded along K's mesh axes (e.g. sequence parallelism after a
@@ -321,7 +343,8 @@ def _plan(mesh, arg_shapes, result_shape, where: str) -> _Plan:
     def named(*entries):
         return NamedSharding(mesh, P(*(e if e else None for e in entries)))
 
-    a_sh, b_sh = named(*batch, m, k), named(*batch, n, k)
+    a_sh = named(*batch, m, k) if _k_last(layout[0]) else named(*batch, k, m)
+    b_sh = named(*batch, n, k) if _k_last(layout[1]) else named(*batch, k, n)
     return _Plan(
         k=k,
         reduce=reduce,

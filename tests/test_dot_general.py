@@ -381,3 +381,32 @@ def test_ffi_backend_lowers_to_the_custom_call():
     x, w = jnp.ones((8, 64)), jnp.ones((16, 64))
     f = jax.jit(lambda x, w: jaxmx.dot_general(x, w, TN, recipe=EMULATE.replace(backend="ffi")))
     assert "jaxmx_mx_matmul" in f.lower(x, w).as_text()
+
+
+@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize(
+    "a_k_first, b_k_first", [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_matmul_takes_operands_blocked_along_either_last_axis(backend, a_k_first, b_k_first):
+    rng = np.random.default_rng(6)
+    m, n, k = 5, 7, 70
+    a = rng.standard_normal((2, m, k)).astype(np.float32)
+    b = rng.standard_normal((2, n, k)).astype(np.float32)
+
+    def operand(x, k_first):  # K-first: the [.., K, rows] array quantized along its axis -2
+        if k_first:
+            return jaxmx.quantize(jnp.asarray(x).swapaxes(-1, -2), axis=-2)
+        return jaxmx.quantize(jnp.asarray(x), axis=-1)
+
+    out = jaxmx.matmul(operand(a, a_k_first), operand(b, b_k_first), jnp.float32, backend=backend)
+    expected = np.einsum("bmk,bnk->bmn", ref_fake_quant(a), ref_fake_quant(b))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_rejects_operands_not_blocked_along_k():
+    q = jaxmx.quantize(jnp.ones((64, 4, 32)), axis=0)
+    with pytest.raises(ValueError, match="quantized along K"):
+        jaxmx.matmul(q, q)
+    a, b = jaxmx.quantize(jnp.ones((4, 64))), jaxmx.quantize(jnp.ones((4, 96)))
+    with pytest.raises(ValueError, match="contracting sizes differ"):
+        jaxmx.matmul(a, b)

@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmx.matmul import matmul, resolve_backend
 from jaxmx.mxarray import MXArray
 from jaxmx.partitioning import check_block_alignment, dim, varying_axes
+from jaxmx.quantize import INPUT_DTYPES as _INPUT_DTYPES
 from jaxmx.quantize import colwise_transposed, quantize
 from jaxmx.recipes import MXFP8, Recipe
 
@@ -48,8 +49,6 @@ LHS_INPUT = "jaxmx_lhs"
 RHS_INPUT = "jaxmx_rhs"
 """``checkpoint_name`` s of the residuals (quantized default, then high precision), for remat
 policies such as ``jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE)``."""
-
-_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def dot_general(
@@ -93,6 +92,11 @@ def dot_general(
         key = None
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    if out_dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            "jaxmx.dot_general: preferred_element_type must be float32, bfloat16 or float16, "
+            f"got {out_dtype}"
+        )
     x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
     w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
     batch_shape = x.shape[: len(dims.lhs_batch)]
@@ -100,7 +104,8 @@ def dot_general(
     n_shape = w.shape[len(dims.rhs_batch) : len(dims.rhs_batch) + len(dims.rhs_free)]
     k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
     b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
-    static = _Static(recipe.replace(backend=resolve_backend(recipe.backend)), out_dtype)
+    backend = resolve_backend(recipe.backend, (recipe.fwd, recipe.grad))
+    static = _Static(recipe.replace(backend=backend), out_dtype)
     y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
     return y.reshape(batch_shape + m_shape + n_shape)
 
@@ -167,6 +172,8 @@ def _forward(static: _Static, x, w, key, training: bool):
     x = check_block_alignment(x, _WHERE, "lhs", _reduced(x.shape, "K", *("M",) * training))
     w = check_block_alignment(w, _WHERE, "rhs", _reduced(w.shape, "K", *("N",) * training))
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
+    if not training:
+        return y, None
     if r.residuals == "quantized":
         saved = (
             _named(_colwise(x, r.fwd, r), LHS_COLWISE),

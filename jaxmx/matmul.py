@@ -19,11 +19,12 @@ from jax import lax
 from jaxmx import partitioning
 from jaxmx.mxarray import MXArray
 from jaxmx.quantize import dequantize
+from jaxmx.recipes import BACKENDS
 
 _ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
 
 
-def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "emulate") -> jax.Array:
+def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
     """Multiplies two MX operands, each quantized along the contracting axis K.
 
     Args:
@@ -31,9 +32,9 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "emula
             along K (its axis -2: a columnwise copy kept untransposed).
         b: [..., N, K] or [..., K, N] likewise, with the same leading (batch) shape as ``a``.
         out_dtype: dtype of the result [..., M, N].
-        backend: ``"emulate"`` (exact, any device), ``"ffi"`` (the native custom call, which
-            takes TN operands: others are transposed first) or ``"auto"`` (cuBLASLt where this
-            machine supports it, else emulate).
+        backend: ``"auto"`` (default: cuBLASLt where this machine supports it and the formats
+            are native, else emulate), ``"emulate"`` (any device) or ``"ffi"`` (the native
+            custom call, which takes TN operands: others are transposed first).
 
     Emulation dequantizes exactly and runs ``lax.dot_general`` with float32 accumulation,
     contracting each operand in its own layout. On GPUs and TPUs the dequantized operands are
@@ -43,7 +44,7 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "emula
     operands are float32 and exact over the whole E8M0 range.
     """
     _check_operands(a, b)
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, (a.fmt, b.fmt))
     if backend == "ffi":
         from jaxmx import ffi
 
@@ -51,15 +52,17 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "emula
     return _emulate(a, b, out_dtype)
 
 
-def resolve_backend(backend: str) -> str:
-    """Maps ``"auto"`` to ``"ffi"`` where cuBLASLt MX GEMMs run here, else to ``"emulate"``."""
-    if backend == "emulate" or backend == "ffi":
+def resolve_backend(backend: str, formats: tuple[str, ...] = ()) -> str:
+    """The backend that runs: ``"auto"`` becomes ``"ffi"`` where cuBLASLt MX GEMMs run on this
+    machine and every one of ``formats`` is native there (MXFP8), else ``"emulate"``."""
+    if backend in ("emulate", "ffi"):
         return backend
     if backend == "auto":
         from jaxmx import ffi
 
-        return "ffi" if ffi.cublaslt_supported() else "emulate"
-    raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'emulate' or 'ffi'")
+        native = all(f in ffi.NATIVE_FORMATS for f in formats)
+        return "ffi" if native and ffi.cublaslt_supported() else "emulate"
+    raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,8 @@ from jaxmx import _bits
 from jaxmx.formats import Format, check_scale_mode, get_format
 from jaxmx.mxarray import MXArray
 
-_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+"""The high-precision dtypes that can be quantized."""
 
 
 def quantize(
@@ -162,7 +164,7 @@ def colwise_transposed(
 
 
 def _check_input(x: jax.Array) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype not in _INPUT_DTYPES:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype not in INPUT_DTYPES:
         raise TypeError(
             f"quantize expects a float32, bfloat16 or float16 array, got dtype {x.dtype}"
         )
@@ -179,8 +181,12 @@ def _check_key(key: jax.Array) -> jax.Array:
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
-    if not isinstance(axis, int) or not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis!r} is out of range for an array of rank {ndim}")
+    try:
+        axis = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"axis must be an integer, got {axis!r}") from None
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for an array of rank {ndim}")
     return axis % ndim
 
 

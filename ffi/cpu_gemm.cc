@@ -2,11 +2,11 @@
 // operands the cuBLASLt handler receives (fp8 codes, swizzled E8M0 scales), in plain C++.
 //
 // Numerics: every fp8 code and E8M0 scale is decoded exactly. Within a 32-element block the
-// products are summed in float64, which is exact for E4M3 x E4M3 (a product has at most 8
-// significant bits and spans 2^-18..2^17.6, so 32 of them fit in 53 bits) and within one rounding
-// for the E5M2 combinations. The block sum is scaled by 2^(sa + sb - 254) exactly, rounded once
-// to float32 and accumulated over K in float32, block after block: the float32 accumulation of
-// the GPU, with exact products. NaN scales (0xFF) and NaN codes propagate. The handler runs with
+// products are summed in float64: exact for E4M3 x E4M3 blocks (a product has at most 8
+// significant bits and spans 2^-18..2^17.6, so 32 of them fit in 53 bits); otherwise (E5M2
+// products span about 64 bits) within float64 rounding of the block sum. The block sum is scaled
+// by 2^(sa + sb - 254) exactly, then rounded once to float32 per block and accumulated over K in
+// float32, block after block: the float32 accumulation of the GPU, with exact products. NaN scales (0xFF) and NaN codes propagate. The handler runs with
 // IEEE subnormals (it clears the flush-to-zero bits XLA's CPU threads may set, and restores them).
 #include <algorithm>
 #include <array>

@@ -42,7 +42,6 @@ namespace {
 
 #define JAXMX_CUDART_FUNCTIONS(X) \
   X(cudaRuntimeGetVersion)        \
-  X(cudaDriverGetVersion)         \
   X(cudaGetErrorString)           \
   X(cudaDeviceGetAttribute)       \
   X(cudaMemsetAsync)
@@ -227,6 +226,8 @@ uint32_t Alignment(const void* base, int64_t stride_bytes, int64_t batch) {
 }
 
 // Builds descriptor, layouts and algorithm of a problem; `error` explains a failure.
+std::string Capability(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+
 std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const PlanKey& key,
                                const GemmProblem& p, ScaleKind kind, const void* a_scale,
                                const void* b_scale, std::string* error) {
@@ -241,31 +242,30 @@ std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const Pla
     if (!check(api.cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
                "cublasLtMatmulDescCreate"))
       break;
+    // Sets an A and a B attribute of the matmul descriptor (the A value first), naming them in
+    // the error.
+    auto set_pair = [&](cublasLtMatmulDescAttributes_t attr_a, const void* value_a,
+                        cublasLtMatmulDescAttributes_t attr_b, const void* value_b, size_t size,
+                        const char* what_a, const char* what_b) {
+      return check(api.cublasLtMatmulDescSetAttribute(plan->desc, attr_a, value_a, size),
+                   what_a) &&
+             check(api.cublasLtMatmulDescSetAttribute(plan->desc, attr_b, value_b, size), what_b);
+    };
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-    if (!check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t,
-                                                  sizeof op_t),
-               "setting TRANSA") ||
-        !check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n,
-                                                  sizeof op_n),
-               "setting TRANSB"))
+    if (!set_pair(CUBLASLT_MATMUL_DESC_TRANSA, &op_t, CUBLASLT_MATMUL_DESC_TRANSB, &op_n,
+                  sizeof op_t, "setting TRANSA", "setting TRANSB"))
       break;
     if (kind == ScaleKind::kBlockE8M0) {
       const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
-      if (!check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
-                                                    &mode, sizeof mode),
-                 "setting A_SCALE_MODE = VEC32_UE8M0") ||
-          !check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
-                                                    &mode, sizeof mode),
-                 "setting B_SCALE_MODE = VEC32_UE8M0"))
+      if (!set_pair(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                    &mode, sizeof mode, "setting A_SCALE_MODE = VEC32_UE8M0",
+                    "setting B_SCALE_MODE = VEC32_UE8M0"))
         break;
     }
     // The heuristic sees this call's scale pointers; every call sets its own before the matmul.
-    if (!check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                  &a_scale, sizeof a_scale),
-               "setting A_SCALE_POINTER") ||
-        !check(api.cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                  &b_scale, sizeof b_scale),
-               "setting B_SCALE_POINTER"))
+    if (!set_pair(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
+                  CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof a_scale,
+                  "setting A_SCALE_POINTER", "setting B_SCALE_POINTER"))
       break;
     if (!check(api.cublasLtMatrixLayoutCreate(&plan->a, CudaType(p.rhs_type), p.k, p.n, p.k),
                "cublasLtMatrixLayoutCreate(A = rhs)") ||
@@ -306,8 +306,7 @@ std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const Pla
                " lhs " + DataTypeName(p.lhs_type) + " [" + std::to_string(p.m) + ", " +
                std::to_string(p.k) + "] x rhs " + DataTypeName(p.rhs_type) + " [" +
                std::to_string(p.n) + ", " + std::to_string(p.k) + "] -> " +
-               DataTypeName(p.out_type) + " on compute capability " +
-               std::to_string(dev.capability / 10) + "." + std::to_string(dev.capability % 10) +
+               DataTypeName(p.out_type) + " on compute capability " + Capability(dev.capability) +
                " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
                std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +
                " bytes, workspace " + std::to_string(ws) + " bytes)" +
@@ -327,8 +326,6 @@ std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const Pla
   }
   return plan;
 }
-
-std::string Capability(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
 
 std::string Version(int v, int major_div) {  // 130100 -> "13.1" (div 10000); 13000 -> "13.0"
   return std::to_string(v / major_div) + "." + std::to_string(v % major_div / (major_div / 100));
@@ -474,25 +471,6 @@ ffi::Error Fp8MatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 }  // namespace
 
 CudaLibraryInfo LoadCudaLibraries() { return GetApi().info; }
-
-DeviceInfo QueryDevice(int ordinal) {
-  DeviceInfo info;
-  const Api& api = GetApi();
-  if (!api.info.loaded) {
-    info.error = api.info.error;
-    return info;
-  }
-  int major = 0, minor = 0;
-  cudaError_t e = api.cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
-  if (e == cudaSuccess)
-    e = api.cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
-  if (e != cudaSuccess) {
-    info.error = std::string("cudaDeviceGetAttribute failed: ") + api.cudaGetErrorString(e);
-    return info;
-  }
-  info.capability = major * 10 + minor;
-  return info;
-}
 
 }  // namespace jaxmx
 

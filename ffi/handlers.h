@@ -33,13 +33,6 @@ struct CudaLibraryInfo {
   int cudart_version = 0;    // cudaRuntimeGetVersion(), e.g. 13000
 };
 CudaLibraryInfo LoadCudaLibraries();
-
-// Compute capability (major * 10 + minor) of a device, or an error text.
-struct DeviceInfo {
-  int capability = 0;
-  std::string error;
-};
-DeviceInfo QueryDevice(int ordinal);
 #endif
 
 }  // namespace jaxmx

@@ -5,7 +5,6 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
-#include <stdexcept>
 #include <string>
 
 #include "handlers.h"
@@ -113,13 +112,5 @@ NB_MODULE(_ffi, m) {
         return d;
       },
       "Loads libcudart / libcublasLt (dlopen; no GPU needed) and reports paths and versions.");
-  m.def(
-      "cuda_device_capability",
-      [](int ordinal) {
-        const jaxmx::DeviceInfo info = jaxmx::QueryDevice(ordinal);
-        if (!info.error.empty()) throw std::runtime_error(info.error);
-        return info.capability;
-      },
-      nb::arg("ordinal"), "Compute capability of a CUDA device as major * 10 + minor.");
 #endif
 }

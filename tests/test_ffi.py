@@ -1,7 +1,8 @@
 """The native GEMM (jaxmx.ffi and the jaxmx._ffi extension), checked on the CPU handler.
 
 The reference here is numpy + ml_dtypes only: fp8 codes decoded by ml_dtypes, scales as
-2.0 ** (byte - 127), a float64 GEMM. The swizzle formula is written out from DESIGN.md section 5.
+2.0 ** (byte - 127), a float64 GEMM. The swizzle offsets (DESIGN.md section 5) come from
+``swizzle_offset`` in tests/reference.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import reference as ref
 
 import jaxmx
 from jaxmx import _ffi, ffi
@@ -251,19 +253,12 @@ def test_batch_dims_and_vmap_agree_with_single_calls():
 # --- the swizzled layout read by C++ ------------------------------------------------------------
 
 
-def design_offset(r, c, cp):
-    """DESIGN.md section 5, literally."""
-    return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
-
-
 @pytest.mark.parametrize("rows,cols", [(1, 1), (2, 3), (128, 4), (129, 5), (300, 9)])
 def test_cpp_unswizzle_matches_design_formula(rows, cols):
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
     buf = np.random.default_rng(rows * cols).integers(0, 256, rp * cp, dtype=np.uint8)
-    expect = np.empty((rows, cols), np.uint8)
-    for r in range(rows):
-        for c in range(cols):
-            expect[r, c] = buf[design_offset(r, c, cp)]
+    r, c = np.indices((rows, cols))
+    expect = buf[ref.swizzle_offset(r, c, cols)]  # DESIGN.md section 5, index by index
     np.testing.assert_array_equal(_ffi.unswizzle_scales(buf, rows, cols), expect)
     # and the JAX swizzle is its inverse
     s = jnp.asarray(expect)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference as mxref
 from flax import serialization
 
 import jaxmx
@@ -17,11 +18,12 @@ import jaxmx.flax.linen as mxl
 MX = jaxmx.recipes.MXFP8
 
 
-def _mx_ref(x, w, x_axis, w_axis):
-    """The MX definition: both operands quantized along the reduction, exact products, f32 sum."""
-    xq = jaxmx.dequantize(jaxmx.quantize(x, "mxfp8_e4m3", axis=x_axis))
-    wq = jaxmx.dequantize(jaxmx.quantize(w, "mxfp8_e4m3", axis=w_axis))
-    return xq, wq
+def _qdq(a, axis):
+    """``a`` quantized to MXFP8 E4M3 (rceil, blocks of 32 along ``axis``) and dequantized by the
+    independent reference in tests/reference.py; float32 (exact: fp8 codes times powers of 2)."""
+    a = np.asarray(a, np.float32)
+    data, scale = mxref.quantize(a, "mxfp8_e4m3", "rceil", axis=axis)
+    return mxref.dequantize(data, scale, axis, a.shape).astype(np.float32)
 
 
 def _rel(a, b):
@@ -57,8 +59,9 @@ def test_mx_matches_mx_definition_and_flax_closely(cls, ref_cls, kw, x):
     y_ref = ref.apply(params, x)
     err = _rel(y, y_ref)
     assert 1e-3 < err < 0.05, err  # really quantized, and close to high precision
-    # Exactly the MX product: kernel quantized along its contracted (first) axis.
-    xq, kq = _mx_ref(x, params["params"]["kernel"], -1, 0)
+    # The MX definition: flax's layer on both operands quantized along the reduction (x along
+    # its last axis, the kernel along its contracted first axis), exact products, f32 sum.
+    xq, kq = _qdq(x, -1), _qdq(params["params"]["kernel"], 0)
     mx_params = {"params": {**params["params"], "kernel": kq}}
     np.testing.assert_allclose(y, ref.apply(mx_params, xq), rtol=1e-5, atol=1e-5)
 

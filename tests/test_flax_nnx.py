@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference as mxref
 from flax import nnx
 
 import jaxmx
@@ -14,7 +15,11 @@ MX = jaxmx.recipes.MXFP8
 
 
 def _q(a, axis):
-    return jaxmx.dequantize(jaxmx.quantize(a, "mxfp8_e4m3", axis=axis))
+    """``a`` quantized to MXFP8 E4M3 (rceil, blocks of 32 along ``axis``) and dequantized in
+    float64 by the independent reference in tests/reference.py."""
+    a = np.asarray(a, np.float32)
+    data, scale = mxref.quantize(a, "mxfp8_e4m3", "rceil", axis=axis)
+    return mxref.dequantize(data, scale, axis, a.shape)
 
 
 def _rel(a, b):
@@ -27,19 +32,22 @@ def x():
 
 
 def _pairs():
-    """(jaxmx layer factory, flax layer factory, MX reference of the flax layer's math)."""
+    """(jaxmx layer factory, flax layer factory, float64 MX reference of the flax layer's math)."""
     lin = dict(in_features=64, out_features=48)
     ein = dict(einsum_str="btd,dnh->btnh", kernel_shape=(64, 3, 16), bias_shape=(3, 16))
     return {
         "Linear": (
             lambda **kw: mxnnx.Linear(**lin, rngs=nnx.Rngs(0), **kw),
             lambda: nnx.Linear(**lin, rngs=nnx.Rngs(0)),
-            lambda m, x: _q(x, -1) @ _q(m.kernel[...], 0) + m.bias[...],
+            lambda m, x: _q(x, -1) @ _q(m.kernel[...], 0) + np.asarray(m.bias[...]),
         ),
         "Einsum": (
             lambda **kw: mxnnx.Einsum(**ein, rngs=nnx.Rngs(0), **kw),
             lambda: nnx.Einsum(**ein, rngs=nnx.Rngs(0)),
-            lambda m, x: jnp.einsum("btd,dnh->btnh", _q(x, -1), _q(m.kernel[...], 0)) + m.bias[...],
+            lambda m, x: (
+                np.einsum("btd,dnh->btnh", _q(x, -1), _q(m.kernel[...], 0))
+                + np.asarray(m.bias[...])
+            ),
         ),
     }
 

@@ -31,7 +31,9 @@ def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
         assert run["val_loss"][-1] < run["val_loss"][0]
         assert run["step_time"] > 0
     bf16, mx = runs["bf16"], runs["mxfp8"]
-    assert bf16["train_loss"][0] == mx["train_loss"][0]  # same init, same first batch
+    # Equal at step 0 because the attention `out` and MLP `down` projections are zero-initialized:
+    # the quantized layers add nothing to the residual stream yet (same init, same first batch).
+    assert bf16["train_loss"][0] == mx["train_loss"][0]
     assert bf16["train_loss"][1:] != mx["train_loss"][1:]  # the MX run really is quantized
     assert abs(mx["final_val"] / bf16["final_val"] - 1) < 0.05
 

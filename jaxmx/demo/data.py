@@ -9,8 +9,6 @@ Example:
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 VOCAB = 256  # bytes
@@ -61,7 +59,3 @@ def _windows(data: np.ndarray, starts: np.ndarray, seq_len: int):
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     w = data[idx].astype(np.int32)
     return w[:, :-1], w[:, 1:]
-
-
-def bits_per_byte(nats: float) -> float:
-    return nats / math.log(2)

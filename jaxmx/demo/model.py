@@ -19,20 +19,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def _zero_linear(d_in: int, d_out: int, *, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free ``nnx.Linear`` with a zero kernel: the residual branch it ends starts as 0."""
+    zeros = nnx.initializers.zeros_init()
+    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, kernel_init=zeros, rngs=rngs)
+
+
 class Attention(nnx.Module):
     def __init__(self, d_model: int, heads: int, *, dtype, rngs: nnx.Rngs):
         if d_model % heads:
             raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
         self.heads = heads
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
-        self.out = nnx.Linear(
-            d_model,
-            d_model,
-            use_bias=False,
-            dtype=dtype,
-            kernel_init=nnx.initializers.zeros_init(),
-            rngs=rngs,
-        )
+        self.out = _zero_linear(d_model, d_model, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
@@ -44,14 +43,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, d_model: int, *, dtype, rngs: nnx.Rngs):
         self.up = nnx.Linear(d_model, 4 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
-        self.down = nnx.Linear(
-            4 * d_model,
-            d_model,
-            use_bias=False,
-            dtype=dtype,
-            kernel_init=nnx.initializers.zeros_init(),
-            rngs=rngs,
-        )
+        self.down = _zero_linear(4 * d_model, d_model, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.up(x)))

@@ -1,6 +1,6 @@
 """``jaxmx.dot_general``: a drop-in for ``lax.dot_general`` that trains in MX formats.
 
-Every GEMM runs on operands quantized along its own reduction axis (DESIGN section 4). With
+Every GEMM runs on operands quantized along its own reduction axis (docs/training_gemm.md). With
 ``x [M, K]``, ``w [N, K]`` and the output gradient ``g [M, N]``:
 
 ========  ========  =========  ============================  ============================

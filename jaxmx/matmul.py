@@ -41,7 +41,10 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
     fed as bfloat16: an E4M3/E5M2 code times a power of two is exact in bfloat16 unless it falls
     below 2^-126 (scale bytes under about 10, i.e. blocks whose maximum is below ~2^-109), and
     bf16 x bf16 products are exact in float32. On the CPU, where bfloat16 brings no speed,
-    operands are float32 and exact over the whole E8M0 range.
+    operands are float32 and exact over the whole E8M0 range; the products, however, go through
+    XLA:CPU's float32 arithmetic, which flushes subnormals, so products and partial sums below
+    2^-126 become zero (where the native GEMM keeps them). That only touches blocks whose two
+    scales multiply to less than about 2^-110.
     """
     _check_operands(a, b)
     backend = resolve_backend(backend, (a.fmt, b.fmt))

@@ -26,11 +26,6 @@ ROW_TILE = 128
 COL_TILE = 4
 
 
-def swizzled_size(rows: int, cols: int) -> int:
-    """Bytes of the swizzled layout for a [rows, cols] scale matrix (padding included)."""
-    return _round_up(rows, ROW_TILE) * _round_up(cols, COL_TILE)
-
-
 def swizzle_scales(scale: jax.Array) -> jax.Array:
     """Compact [..., R, C] E8M0 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile order."""
     s = _as_bytes(scale)

@@ -47,7 +47,7 @@ def ref_fake_quant(x, fmt="mxfp8_e4m3"):
 
 
 def ref_dense_vjp(x, w, g, fwd="mxfp8_e4m3", grad="mxfp8_e4m3"):
-    """y = x @ w.T and its gradients, each GEMM from the copies of DESIGN section 4."""
+    """y = x @ w.T and its gradients, each GEMM from the copies of docs/training_gemm.md."""
     y = ref_fake_quant(x, fwd) @ ref_fake_quant(w, fwd).T
     dx = ref_fake_quant(g, grad) @ ref_fake_quant(w.T, fwd).T  # g rowwise, w colwise [K, N]
     dw = ref_fake_quant(g.T, grad) @ ref_fake_quant(x.T, fwd).T  # g colwise, x colwise [K, M]

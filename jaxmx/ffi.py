@@ -31,6 +31,8 @@ import threading
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from jaxmx import partitioning
 from jaxmx.formats import BLOCK_SIZE, FORMATS
@@ -40,6 +42,7 @@ from jaxmx.swizzle import swizzle_scales
 __all__ = [
     "FP8_TARGET",
     "MX_TARGET",
+    "NATIVE_FORMATS",
     "WORKSPACE_BYTES",
     "backends",
     "cublaslt_supported",
@@ -56,7 +59,7 @@ WORKSPACE_BYTES = 32 * 1024 * 1024
 
 _OUT_DTYPES = tuple(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_NATIVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
+NATIVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 _N_MULTIPLE = 16  # cuBLASLt: rows of out^T padded so every row of out starts 16-byte aligned
 _MX_COMPUTE_CAPABILITY = (10, 0)
 
@@ -175,6 +178,24 @@ def _compute_capability(device) -> tuple[int, int] | None:
         return None
 
 
+def _handler_status(platform: str) -> str:
+    """``"available"`` when the extension registered a handler for a JAX lowering platform
+    (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), else why not.
+
+    This decides which branches the custom calls get: a platform without a handler lowers to a
+    readable error instead of XLA's "no FFI handler". (Whether the cuBLASLt handler can run on
+    the device, e.g. its compute capability, is the handler's own check at run time.)
+    """
+    ext, reason = _extension()
+    if ext is None:
+        return reason
+    if platform == "cpu":
+        return _ffi_cpu_status()
+    if platform == "cuda":
+        return "available" if ext.has_cuda else _cublaslt_status()
+    return f"the extension has handlers for CPU and CUDA only, not {platform}"
+
+
 # --- MX GEMM -----------------------------------------------------------------------------------
 
 
@@ -219,11 +240,11 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
 def _check_mx_operand(q, name: str) -> None:
     if not isinstance(q, MXArray):
         raise TypeError(f"mx_matmul: {name} must be an MXArray, got {type(q).__name__}")
-    if q.fmt not in _NATIVE_FORMATS:
+    if q.fmt not in NATIVE_FORMATS:
         if q.fmt in FORMATS:
             raise NotImplementedError(
                 f"mx_matmul: {name} is {q.fmt}, which the native GEMM does not support yet "
-                f"(supported: {', '.join(_NATIVE_FORMATS)}); use the emulation backend"
+                f"(supported: {', '.join(NATIVE_FORMATS)}); use the emulation backend"
             )
         raise ValueError(f"mx_matmul: {name} has unknown format {q.fmt!r}")
     if q.axis != len(q.shape) - 1:
@@ -273,30 +294,13 @@ def _mx_call(out_dtype):
 def _mx_per_shard(out_dtype):
     """The custom call on (one device's) operands: swizzles the compact scales, then calls."""
 
+    def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+        b_data, b_scale, n = _pad_rows(b_data, b_scale, n_multiple)
+        return (a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale)), n
+
     def impl(a_data, b_data, a_scale, b_scale):
-        def call(workspace: int, n_multiple: int):
-            def run(a_data, b_data, a_scale, b_scale):
-                b_data, b_scale, n = _pad_rows(b_data, b_scale, n_multiple)
-                out_shape = (*a_data.shape[:-1], b_data.shape[-2])
-                out, _ = jax.ffi.ffi_call(
-                    MX_TARGET,
-                    (
-                        jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-                    ),
-                )(a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale))
-                # inside shard_map: varying like the operands (ffi_call results are not)
-                return partitioning.vary_like(out[..., :n], a_data, b_data, a_scale, b_scale)
-
-            return run
-
-        return lax.platform_dependent(
-            a_data,
-            b_data,
-            a_scale,
-            b_scale,
-            cpu=call(0, 1),
-            cuda=call(WORKSPACE_BYTES, _N_MULTIPLE),
+        return _custom_call(
+            MX_TARGET, "mx_matmul", out_dtype, prepare, a_data, b_data, a_scale, b_scale
         )
 
     return impl
@@ -388,29 +392,86 @@ def fp8_matmul(a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16) -> jax.Ar
 
 @functools.cache
 def _fp8_call(out_dtype):
+    def prepare(n_multiple, a_fp8, b_fp8, a_scale, b_scale):
+        b_fp8, _, n = _pad_rows(b_fp8, b_scale, n_multiple)
+        return (a_fp8, b_fp8, a_scale, b_scale), n
+
     def impl(a_fp8, b_fp8, a_scale, b_scale):
-        def call(workspace: int, n_multiple: int):
-            def run(a_fp8, b_fp8, a_scale, b_scale):
-                b_fp8, _, n = _pad_rows(b_fp8, b_scale, n_multiple)
-                out_shape = (*a_fp8.shape[:-1], b_fp8.shape[-2])
-                out, _ = jax.ffi.ffi_call(
-                    FP8_TARGET,
-                    (
-                        jax.ShapeDtypeStruct(out_shape, out_dtype),
-                        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-                    ),
-                )(a_fp8, b_fp8, a_scale, b_scale)
-                return partitioning.vary_like(out[..., :n], a_fp8, b_fp8, a_scale, b_scale)
-
-            return run
-
-        return lax.platform_dependent(
-            a_fp8,
-            b_fp8,
-            a_scale,
-            b_scale,
-            cpu=call(0, 1),
-            cuda=call(WORKSPACE_BYTES, _N_MULTIPLE),
+        return _custom_call(
+            FP8_TARGET, "fp8_matmul", out_dtype, prepare, a_fp8, b_fp8, a_scale, b_scale
         )
 
     return partitioning.vmappable(impl, fold=(True, False, False, False))
+
+
+# --- the custom call on each platform --------------------------------------------------------
+
+# (platform, workspace bytes, rows of the rhs padded to a multiple of)
+_PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES, _N_MULTIPLE))
+
+
+def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:
+    """``target`` on ``(a, b, a_scale, b_scale)``, lowered per platform.
+
+    ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
+    ``n_multiple``, and the number of output columns to keep. Platforms without a handler
+    (:func:`_handler_status`) get a branch that fails at lowering with the reason.
+    """
+
+    def branch(workspace: int, n_multiple: int):
+        def run(*args):
+            operands, n = prepare(n_multiple, *args)
+            out_shape = (*operands[0].shape[:-1], operands[1].shape[-2])
+            out, _ = jax.ffi.ffi_call(
+                target,
+                (
+                    jax.ShapeDtypeStruct(out_shape, out_dtype),
+                    jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+                ),
+            )(*operands)
+            # inside shard_map: varying like the operands (ffi_call results are not)
+            return partitioning.vary_like(out[..., :n], *args)
+
+        return run
+
+    branches = {
+        platform: branch(workspace, n_multiple)
+        for platform, workspace, n_multiple in _PLATFORMS
+        if _handler_status(platform) == "available"
+    }
+
+    def unsupported(*args):
+        a, b = args[0], args[1]
+        out = _unsupported_p.bind(
+            *args,
+            shape=(*a.shape[:-1], b.shape[-2]),
+            dtype=out_dtype,
+            fn=fn,
+            handled=tuple(branches),
+        )
+        return partitioning.vary_like(out, *args)
+
+    return lax.platform_dependent(*args, **branches, default=unsupported)
+
+
+# The default branch of the custom calls: lowering it (for a platform without a handler) raises.
+_unsupported_p = Primitive("jaxmx_ffi_unsupported_platform")
+_unsupported_p.def_abstract_eval(
+    lambda *args, shape, dtype, fn, handled: jax.core.ShapedArray(shape, dtype)
+)
+_unsupported_p.def_impl(
+    lambda *args, **params: jax.jit(functools.partial(_unsupported_p.bind, **params))(*args)
+)
+
+
+def _unsupported_lowering(ctx, *args, shape, dtype, fn, handled):
+    platforms = [p for p in ctx.module_context.platforms if p not in handled]
+    reasons = "; ".join(f"{p}: {_handler_status(p)}" for p in platforms)
+    raise RuntimeError(
+        f"jaxmx.ffi.{fn}: the native GEMM (backend='ffi') has no handler for platform "
+        f"{', '.join(repr(p) for p in platforms) or 'this platform'} ({reasons or 'unknown'}); "
+        "use backend='emulate' there"
+    )
+
+
+mlir.register_lowering(_unsupported_p, _unsupported_lowering)

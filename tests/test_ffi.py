@@ -368,6 +368,56 @@ def test_backends_report():
         assert report["cublaslt"] != "available"
 
 
+@pytest.fixture
+def no_handler(monkeypatch):
+    """``jaxmx.ffi`` told that some platforms have no handler, with a recognisable reason.
+
+    Shapes used under it are not used elsewhere, and the caches are cleared after it, so no
+    trace made without the handler is reused.
+    """
+
+    def patch(*platforms):
+        real = ffi._handler_status
+        monkeypatch.setattr(
+            ffi,
+            "_handler_status",
+            lambda p: f"no handler here ({p}, test)" if p in platforms else real(p),
+        )
+
+    yield patch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_platform_without_handler_raises_a_clear_error(no_handler):
+    """Like a CUDA machine whose extension was built without cuBLASLt, on this CPU machine."""
+    no_handler("cpu")
+    a = random_mx(jax.random.key(0), (3, 96), E4M3)
+    b = random_mx(jax.random.key(1), (5, 96), E5M2)
+    want = r"mx_matmul: .*no handler for platform 'cpu' \(cpu: no handler here \(cpu, test\)\)"
+    with pytest.raises(RuntimeError, match=want):
+        ffi.mx_matmul(a, b)
+    with pytest.raises(RuntimeError, match=want):
+        jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.float32))(a, b)
+    x = jnp.ones((3, 48), jnp.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"fp8_matmul: .*no handler here \(cpu, test\)"):
+        ffi.fp8_matmul(x, x[:2], 1.0, 1.0)
+
+
+def test_lowering_for_a_platform_without_handler(no_handler):
+    """Only the platforms lowered for matter: CPU still works; CUDA and TPU fail readably."""
+    a = random_mx(jax.random.key(0), (7, 96), E4M3)
+    b = random_mx(jax.random.key(1), (9, 96), E4M3)
+    f = jax.jit(lambda a, b: ffi.mx_matmul(a, b))
+    with pytest.raises(RuntimeError, match="handlers for CPU and CUDA only, not tpu"):
+        f.trace(a, b).lower(lowering_platforms=("tpu",))
+    no_handler("cuda")
+    traced = jax.jit(lambda a, b: ffi.mx_matmul(a, b)).trace(a, b)
+    assert "jaxmx_mx_matmul" in traced.lower(lowering_platforms=("cpu",)).as_text()
+    with pytest.raises(RuntimeError, match=r"platform 'cuda' \(cuda: no handler here"):
+        traced.lower(lowering_platforms=("cpu", "cuda"))
+
+
 def _site_dirs():
     dirs = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     dirs.update(site.getsitepackages())

@@ -18,7 +18,7 @@ from jax import lax
 
 from jaxmx import partitioning
 from jaxmx.mxarray import MXArray
-from jaxmx.quantize import dequantize
+from jaxmx.quantize import dequantize_for_dot
 from jaxmx.recipes import BACKENDS
 
 _ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
@@ -97,8 +97,8 @@ def _emulate_per_shard(a_fmt: str, b_fmt: str, layout: tuple[str, str]):
             operand_dtype = jnp.bfloat16 if jax.default_backend() in _ACCELERATORS else jnp.float32
             batch = tuple(range(nd - 2))
             out = lax.dot_general(
-                dequantize(a, operand_dtype),
-                dequantize(b, operand_dtype),
+                dequantize_for_dot(a, operand_dtype),
+                dequantize_for_dot(b, operand_dtype),
                 (((ka,), (kb,)), (batch, batch)),
                 preferred_element_type=jnp.float32,
             )

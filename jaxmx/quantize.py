@@ -89,6 +89,27 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
         >>> jaxmx.dequantize(jaxmx.quantize(x))[:3].tolist()
         [1.0, -0.5, 0.25]
     """
+    return _dequantize(q, dtype, exact=True)
+
+
+def dequantize_for_dot(q: MXArray, dtype=jnp.float32) -> jax.Array:
+    """:func:`dequantize` for a GEMM operand: exact except that results below 2^-126 may be 0.
+
+    A plain float multiply by the power-of-two scale (about half the work of the exact
+    bit-level decode). Where float32 arithmetic flushes subnormals (XLA:CPU), values that would
+    be subnormal become zero, which changes nothing in a float32 dot on that platform: it treats
+    subnormal operands as zero anyway. Elsewhere the multiply is exact.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> from jaxmx.quantize import dequantize_for_dot
+        >>> dequantize_for_dot(jaxmx.quantize(jnp.full((32,), 3.0)))[:2].tolist()
+        [3.0, 3.0]
+    """
+    return _dequantize(q, dtype, exact=False)
+
+
+def _dequantize(q: MXArray, dtype, exact: bool) -> jax.Array:
     if not isinstance(q, MXArray):
         raise TypeError(f"dequantize expects an MXArray, got {type(q).__name__}")
     f = q.format
@@ -101,7 +122,11 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     n_blocks = q.scale.shape[axis]
     values = _decode(q.data, f).reshape(outer, n_blocks, f.block, -1)
     byte = _scale_byte(q.scale).reshape(outer, n_blocks, 1, -1)
-    out = _bits.ldexp_exact(values, jnp.minimum(byte, 254) - _bits.EXPONENT_BIAS)
+    k = jnp.minimum(byte, 254) - _bits.EXPONENT_BIAS
+    if exact:
+        out = _bits.ldexp_exact(values, k)
+    else:  # 2^-127 is subnormal: scale by 2^-126, then halve
+        out = values * _bits.pow2(jnp.maximum(k, -126)) * jnp.where(k < -126, 0.5, 1.0)
     out = jnp.where(byte == _bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
     out = lax.slice_in_dim(out, 0, q.shape[q.axis], axis=axis)
     return out.astype(dtype)

@@ -446,3 +446,28 @@ def test_matmul_rejects_operands_not_blocked_along_k():
     a, b = jaxmx.quantize(jnp.ones((4, 64))), jaxmx.quantize(jnp.ones((4, 96)))
     with pytest.raises(ValueError, match="contracting sizes differ"):
         jaxmx.matmul(a, b)
+
+
+def test_emulated_gemm_equals_a_dot_of_exactly_dequantized_operands_for_every_scale():
+    # The emulation decodes with a float multiply (dequantize_for_dot), which may flush results
+    # below 2^-126 where float32 arithmetic does (XLA:CPU); the float32 dot there treats such
+    # operands as zero anyway, so over the whole E8M0 range the GEMM equals a dot of the
+    # exactly decoded operands.
+    rng = np.random.default_rng(7)
+    codes = rng.standard_normal((2, 256, 64)).astype(np.float32)
+    a = jaxmx.quantize(jnp.asarray(codes[0]))
+    b = jaxmx.quantize(jnp.asarray(codes[1]))
+    byte_a = jnp.asarray(np.arange(256 * 2) % 255, jnp.uint8).reshape(256, 2)
+    byte_b = jnp.asarray((np.arange(256 * 2) * 7 + 3) % 255, jnp.uint8).reshape(256, 2)
+    a = jaxmx.MXArray(
+        a.data, jax.lax.bitcast_convert_type(byte_a, jnp.float8_e8m0fnu), a.fmt, 1, a.shape
+    )
+    b = jaxmx.MXArray(
+        b.data, jax.lax.bitcast_convert_type(byte_b, jnp.float8_e8m0fnu), b.fmt, 1, b.shape
+    )
+    exact = jax.lax.dot_general(
+        jaxmx.dequantize(a), jaxmx.dequantize(b), TN, preferred_element_type=jnp.float32
+    )
+    got = jaxmx.matmul(a, b, jnp.float32, backend="emulate")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(exact))
+    assert np.count_nonzero(np.isinf(np.asarray(exact))) > 0  # the range's ends are covered

@@ -26,7 +26,7 @@ inline constexpr int64_t SwizzledSize(int64_t rows, int64_t cols) {
   return RoundUp(rows, kRowTile) * RoundUp(cols, kColTile);
 }
 
-// Offset of scale (r, c) in the cuBLAS 128x4 tiled layout (DESIGN.md section 5), where
+// Offset of scale (r, c) in the cuBLAS 128x4 tiled layout (docs/quantization.md), where
 // `cols_padded` is the number of K-blocks rounded up to a multiple of 4.
 inline constexpr int64_t SwizzledOffset(int64_t r, int64_t c, int64_t cols_padded) {
   return ((r / 128) * (cols_padded / 4) + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 +

@@ -1,7 +1,7 @@
 """An independent numpy + ml_dtypes reference for MX quantization, written from the spec.
 
-Sources: shared/MX_NUMERICS.md and DESIGN.md sections 3 and 5 (OCP MX v1.0, the cuBLAS /
-TransformerEngine rceil formula, torchao's ceil/even modes, the cuBLAS 128x4 scale layout). It
+Sources (see docs/quantization.md): the OCP MX v1.0 spec, the cuBLAS /
+TransformerEngine rceil formula, torchao's ceil/even modes, the cuBLAS 128x4 scale layout. It
 shares no code with jaxmx and deliberately uses different arithmetic:
 
 - scale exponents: float64 ``frexp`` (exact for every float32, subnormals included) for floor and
@@ -10,7 +10,7 @@ shares no code with jaxmx and deliberately uses different arithmetic:
 - elements: exact float64 scaling by ``2.0**-e``, saturation, then round-to-nearest-even on the
   element grid with ``np.rint`` in float64 (the result is exactly representable, so the final
   ``astype`` is exact; ml_dtypes' own float64 -> fp8 cast rounds twice, through float32);
-- swizzle: the DESIGN.md offset formula evaluated per index, no reshapes or transposes.
+- swizzle: the cuBLAS offset formula evaluated per index, no reshapes or transposes.
 
 Example:
     >>> import numpy as np
@@ -162,7 +162,7 @@ def _roundup(n: int, m: int) -> int:
 
 
 def swizzle_offset(r, c, cols: int):
-    """DESIGN.md section 5: the byte offset of scale S[r, c] in the swizzled buffer."""
+    """The cuBLAS 128x4 layout: the byte offset of scale S[r, c] in the swizzled buffer."""
     cp = _roundup(cols, 4)
     return ((r // 128) * (cp // 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 

@@ -1,7 +1,7 @@
 """The native GEMM (jaxmx.ffi and the jaxmx._ffi extension), checked on the CPU handler.
 
 The reference here is numpy + ml_dtypes only: fp8 codes decoded by ml_dtypes, scales as
-2.0 ** (byte - 127), a float64 GEMM. The swizzle offsets (DESIGN.md section 5) come from
+2.0 ** (byte - 127), a float64 GEMM. The swizzle offsets (the cuBLAS layout) come from
 ``swizzle_offset`` in tests/reference.py.
 """
 
@@ -258,7 +258,7 @@ def test_cpp_unswizzle_matches_design_formula(rows, cols):
     rp, cp = -(-rows // 128) * 128, -(-cols // 4) * 4
     buf = np.random.default_rng(rows * cols).integers(0, 256, rp * cp, dtype=np.uint8)
     r, c = np.indices((rows, cols))
-    expect = buf[ref.swizzle_offset(r, c, cols)]  # DESIGN.md section 5, index by index
+    expect = buf[ref.swizzle_offset(r, c, cols)]  # the cuBLAS layout, index by index
     np.testing.assert_array_equal(_ffi.unswizzle_scales(buf, rows, cols), expect)
     # and the JAX swizzle is its inverse
     s = jnp.asarray(expect)

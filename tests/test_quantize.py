@@ -462,7 +462,7 @@ def test_swizzle_matches_reference_formula(shape):
 
 
 def test_swizzle_spot_offsets():
-    """A few offsets written out by hand from the DESIGN.md formula."""
+    """A few offsets written out by hand from the cuBLAS layout formula."""
     s = np.zeros((130, 5), np.uint8)
     s[0, 0], s[1, 0], s[32, 0], s[0, 3], s[0, 4], s[129, 4], s[33, 1] = 1, 2, 3, 4, 5, 6, 7
     buf = np.asarray(jaxmx.swizzle_scales(jnp.asarray(s)))

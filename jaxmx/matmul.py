@@ -36,15 +36,14 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
             are native, else emulate), ``"emulate"`` (any device) or ``"ffi"`` (the native
             custom call, which takes TN operands: others are transposed first).
 
-    Emulation dequantizes exactly and runs ``lax.dot_general`` with float32 accumulation,
-    contracting each operand in its own layout. On GPUs and TPUs the dequantized operands are
-    fed as bfloat16: an E4M3/E5M2 code times a power of two is exact in bfloat16 unless it falls
-    below 2^-126 (scale bytes under about 10, i.e. blocks whose maximum is below ~2^-109), and
-    bf16 x bf16 products are exact in float32. On the CPU, where bfloat16 brings no speed,
-    operands are float32 and exact over the whole E8M0 range; the products, however, go through
-    XLA:CPU's float32 arithmetic, which flushes subnormals, so products and partial sums below
-    2^-126 become zero (where the native GEMM keeps them). That only touches blocks whose two
-    scales multiply to less than about 2^-110.
+    Emulation decodes the operands (:func:`jaxmx.quantize.dequantize_for_dot`) and runs
+    ``lax.dot_general`` with float32 accumulation, contracting each operand in its own layout.
+    On GPUs and TPUs the operands are fed as bfloat16: an E4M3/E5M2 code times a power of two is
+    exact in bfloat16 unless it falls below 2^-126 (blocks whose maximum is below ~2^-109), and
+    bf16 x bf16 products are exact in float32. On the CPU, where bfloat16 brings no speed, they
+    are float32; XLA:CPU's float32 arithmetic flushes subnormals, so operands, products and
+    partial sums below 2^-126 become zero (the native GEMM keeps them). That only touches blocks
+    whose two scales multiply to less than about 2^-110.
     """
     _check_operands(a, b)
     backend = resolve_backend(backend, (a.fmt, b.fmt))

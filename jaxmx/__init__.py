@@ -12,6 +12,7 @@ from jaxmx.dot_general import dot_general
 from jaxmx.einsum import einsum
 from jaxmx.ffi import backends
 from jaxmx.formats import FORMATS, SCALE_MODES, Format
+from jaxmx.keys import stochastic_rounding
 from jaxmx.matmul import matmul
 from jaxmx.mxarray import MXArray
 from jaxmx.quantize import dequantize, quantize, quantize_rowwise_colwise
@@ -32,6 +33,7 @@ __all__ = [
     "quantize",
     "quantize_rowwise_colwise",
     "recipes",
+    "stochastic_rounding",
     "swizzle_scales",
     "unswizzle_scales",
 ]

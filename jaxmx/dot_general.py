@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmx import keys
 from jaxmx.matmul import matmul, resolve_backend
 from jaxmx.mxarray import MXArray
 from jaxmx.partitioning import check_block_alignment, dim, varying_axes
@@ -71,8 +72,9 @@ def dot_general(
             precision of the products (exact MX products, float32 accumulation).
         preferred_element_type: the output dtype; default the promoted input dtype.
         recipe: a :class:`jaxmx.Recipe`.
-        key: a PRNG key, required when ``recipe.grad_rounding == "stochastic"`` (pass a fresh key
-            each step, e.g. ``jax.random.fold_in(key, step)``); ignored otherwise. The gradient's
+        key: a PRNG key for ``recipe.grad_rounding == "stochastic"`` (pass a fresh key each
+            step, e.g. ``jax.random.fold_in(key, step)``), else taken from an enclosing
+            :func:`jaxmx.stochastic_rounding` block; ignored with ``"nearest"``. The gradient's
             rowwise and columnwise copies use ``fold_in(key, 0)`` and ``fold_in(key, 1)``.
 
     Returns:
@@ -87,7 +89,12 @@ def dot_general(
                 f"jaxmx.dot_general: {name} must be float32, bfloat16 or float16, got {a.dtype}"
             )
     if recipe.grad_rounding == "stochastic" and key is None:
-        raise ValueError("recipe.grad_rounding='stochastic' needs a PRNG key: pass key=...")
+        key = keys.next_key()
+        if key is None:
+            raise ValueError(
+                "recipe.grad_rounding='stochastic' needs a PRNG key: pass key=..., or call "
+                "inside `with jaxmx.stochastic_rounding(key):`"
+            )
     if recipe.grad_rounding == "nearest":
         key = None
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)

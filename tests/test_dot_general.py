@@ -471,3 +471,38 @@ def test_emulated_gemm_equals_a_dot_of_exactly_dequantized_operands_for_every_sc
     got = jaxmx.matmul(a, b, jnp.float32, backend="emulate")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(exact))
     assert np.count_nonzero(np.isinf(np.asarray(exact))) > 0  # the range's ends are covered
+
+
+def test_stochastic_rounding_block_supplies_a_key_per_gemm():
+    recipe = EMULATE.replace(grad_rounding="stochastic")
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((16, 64)), jnp.float32)
+
+    def grads(key):
+        def loss(x):
+            y1 = jaxmx.dot_general(x, w1, TN, recipe=recipe)  # keyless: from the block
+            y2 = jaxmx.dot_general(x, w2, TN, recipe=recipe)
+            return jnp.sum(y1 * jnp.cos(y1)) + jnp.sum(y2 * jnp.sin(y2))
+
+        with jaxmx.stochastic_rounding(key):
+            return jax.grad(loss)(x)
+
+    step = jax.jit(grads)
+    k0, k1 = jax.random.key(0), jax.random.key(1)
+    np.testing.assert_array_equal(step(k0), step(k0))  # deterministic per key
+    assert not np.array_equal(step(k0), step(k1))  # and the key matters
+
+    # the two GEMMs got fold_in(key, 0) and fold_in(key, 1): the same as passing those keys
+    def explicit(key):
+        def loss(x):
+            y1 = jaxmx.dot_general(x, w1, TN, recipe=recipe, key=jax.random.fold_in(key, 0))
+            y2 = jaxmx.dot_general(x, w2, TN, recipe=recipe, key=jax.random.fold_in(key, 1))
+            return jnp.sum(y1 * jnp.cos(y1)) + jnp.sum(y2 * jnp.sin(y2))
+
+        return jax.grad(loss)(x)
+
+    np.testing.assert_array_equal(step(k0), jax.jit(explicit)(k0))
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        jaxmx.dot_general(x, w1, TN, recipe=recipe)

@@ -196,3 +196,25 @@ def test_checkpoint_roundtrip(tokens, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(restored), nnx.state(model))
     np.testing.assert_array_equal(restored(tokens), model(tokens))
     assert restored.blocks[0].recipe == MX
+
+
+def test_stochastic_gradient_rounding_takes_keys_from_the_block():
+    recipe = jaxmx.recipes.MXFP8.replace(backend="emulate", grad_rounding="stochastic")
+    layer = mxnnx.Linear(64, 32, recipe=recipe, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+
+    @nnx.jit
+    def grads(layer, x, key):
+        def loss(layer):
+            return jnp.sum(jnp.sin(layer(x)))
+
+        with jaxmx.stochastic_rounding(key):
+            return nnx.grad(loss)(layer).kernel[...]
+
+    g0, g0_again, g1 = (grads(layer, x, jax.random.key(k)) for k in (0, 0, 1))
+    np.testing.assert_array_equal(g0, g0_again)
+    assert not np.array_equal(g0, g1)
+    # unbiased noise around the round-to-nearest gradient: the two draws are close to each other
+    np.testing.assert_allclose(g0, g1, rtol=0.2, atol=0.05 * float(jnp.abs(g0).max()))
+    with pytest.raises(ValueError, match="stochastic_rounding"):
+        nnx.grad(lambda layer: jnp.sum(layer(x)))(layer)

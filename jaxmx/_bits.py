@@ -83,3 +83,45 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     out = jnp.where(new_exponent >= 0xFF, sign | 0x7F800000, out)
     passthrough = (exponent == 0) | (exponent == 0xFF)  # zeros, NaN and inf elements
     return from_bits(jnp.where(passthrough, bits, out))
+
+
+def encode_fp8(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
+    """Bytes of the 8-bit float (sign, exponent, ``mbits`` mantissa bits, min normal 2^emin)
+    nearest to ``v`` (round to nearest even), for float32 ``v`` within the format's finite range.
+
+    Integer arithmetic on the float32 bits: the same bytes as XLA's convert, in about half its
+    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2).
+    """
+    bits = to_bits(v)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = from_bits(magnitude_bits)
+    shift = MANTISSA_BITS - mbits
+    # normal range: round the mantissa to mbits bits (ties to even), then rebias the exponent
+    rounded = magnitude_bits + (1 << (shift - 1)) - 1 + ((magnitude_bits >> shift) & 1)
+    normal = (rounded >> shift) - ((EXPONENT_BIAS - (1 - emin)) << mbits)
+    # subnormal range: a multiple of the smallest subnormal, 2^(emin - mbits)
+    subnormal = lax.round(magnitude * 2.0 ** (mbits - emin), lax.RoundingMethod.TO_NEAREST_EVEN)
+    code = jnp.where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
+    code = jnp.where(jnp.isnan(v), 0x7F, code) | sign
+    return code.astype(jnp.uint8)
+
+
+def decode_fp8(code: jnp.ndarray, mbits: int, emin: int, ieee_specials: bool) -> jnp.ndarray:
+    """float32 values of 8-bit float bytes (the inverse of :func:`encode_fp8`), exactly.
+
+    ``ieee_specials``: the all-ones exponent holds inf and NaN (E5M2); otherwise only the
+    all-ones magnitude is NaN (E4M3).
+    """
+    code = code.astype(jnp.int32)
+    sign = (code & 0x80) << 24
+    magnitude = code & 0x7F
+    shift = MANTISSA_BITS - mbits
+    normal = (magnitude + ((EXPONENT_BIAS - (1 - emin)) << mbits)) << shift
+    subnormal = to_bits(magnitude.astype(jnp.float32) * 2.0 ** (emin - mbits))
+    out = from_bits(jnp.where(magnitude < (1 << mbits), subnormal, normal) | sign)
+    if ieee_specials:
+        top = 0x7F - (1 << mbits) + 1  # exponent all ones, mantissa zero: inf
+        out = jnp.where(magnitude == top, jnp.where(sign != 0, -jnp.inf, jnp.inf), out)
+        return jnp.where(magnitude > top, jnp.nan, out)
+    return jnp.where(magnitude == 0x7F, jnp.nan, out)

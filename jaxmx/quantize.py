@@ -249,7 +249,7 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
     scaled = _bits.scale_by_pow2(xb, -exponent)
     if key is not None:
         scaled = _round_stochastically(scaled, f, key)
-    elements = jnp.clip(scaled, -f.elem_max, f.elem_max).astype(f.dtype)
+    elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return elements, jnp.squeeze(scale, axis=2)
 
@@ -289,10 +289,24 @@ def _round_stochastically(scaled, f: Format, key):
     return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
 
 
+def _encode(values: jax.Array, f: Format) -> jax.Array:
+    """RNE cast of in-range float32 values to the element dtype."""
+    if _is_fp8(f):
+        return lax.bitcast_convert_type(_bits.encode_fp8(values, f.mbits, f.emin), f.dtype)
+    return values.astype(f.dtype)
+
+
 def _decode(data: jax.Array, f: Format) -> jax.Array:
     if data.dtype != f.dtype:
         raise TypeError(f"MXArray of format {f.name} must hold {f.dtype} data, got {data.dtype}")
+    if _is_fp8(f):
+        code = lax.bitcast_convert_type(data, jnp.uint8)
+        return _bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.name == "mxfp8_e5m2")
     return data.astype(jnp.float32)
+
+
+def _is_fp8(f: Format) -> bool:
+    return jnp.dtype(f.dtype).itemsize == 1 and f.dtype != jnp.float4_e2m1fn
 
 
 def _scale_byte(scale: jax.Array) -> jax.Array:

@@ -276,25 +276,20 @@ std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const Pla
       break;
     if (!check(api.cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate")) break;
     const uint64_t ws = key.workspace;
-    if (!check(api.cublasLtMatmulPreferenceSetAttribute(
-                   pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws),
-               "setting MAX_WORKSPACE_BYTES") ||
-        !check(api.cublasLtMatmulPreferenceSetAttribute(
-                   pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_rhs,
-                   sizeof key.align_rhs),
-               "setting MIN_ALIGNMENT_A_BYTES") ||
-        !check(api.cublasLtMatmulPreferenceSetAttribute(
-                   pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_lhs,
-                   sizeof key.align_lhs),
-               "setting MIN_ALIGNMENT_B_BYTES") ||
-        !check(api.cublasLtMatmulPreferenceSetAttribute(
-                   pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_out,
-                   sizeof key.align_out),
-               "setting MIN_ALIGNMENT_C_BYTES") ||
-        !check(api.cublasLtMatmulPreferenceSetAttribute(
-                   pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_out,
-                   sizeof key.align_out),
-               "setting MIN_ALIGNMENT_D_BYTES"))
+    auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value,
+                        const char* what) {
+      return check(api.cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value),
+                   what);
+    };
+    if (!set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ws, "setting MAX_WORKSPACE_BYTES") ||
+        !set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_rhs,
+                  "setting MIN_ALIGNMENT_A_BYTES") ||
+        !set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_lhs,
+                  "setting MIN_ALIGNMENT_B_BYTES") ||
+        !set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out,
+                  "setting MIN_ALIGNMENT_C_BYTES") ||
+        !set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out,
+                  "setting MIN_ALIGNMENT_D_BYTES"))
       break;
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;

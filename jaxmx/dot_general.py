@@ -112,7 +112,7 @@ def dot_general(
     k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
     b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
     backend = resolve_backend(recipe.backend, (recipe.fwd, recipe.grad))
-    static = _Static(recipe.replace(backend=backend), out_dtype)
+    static = _Static(recipe.replace(backend=backend), out_dtype, lhs.dtype, rhs.dtype)
     y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
     return y.reshape(batch_shape + m_shape + n_shape)
 
@@ -120,6 +120,8 @@ def dot_general(
 class _Static(NamedTuple):
     recipe: Recipe
     out_dtype: jnp.dtype
+    lhs_dtype: jnp.dtype  # the gradients' dtypes
+    rhs_dtype: jnp.dtype
 
 
 class _Dims(NamedTuple):
@@ -188,13 +190,12 @@ def _forward(static: _Static, x, w, key, training: bool):
         )
     else:
         saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
-    dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))  # carries the input dtypes
-    return y, (saved, dtypes, key)
+    return y, (saved, key)
 
 
 def _mx_bmm_bwd(static: _Static, residuals, g):
     r = static.recipe
-    (x_saved, w_saved), (x_dtype, w_dtype), key = residuals
+    (x_saved, w_saved), key = residuals
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:
@@ -205,8 +206,8 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
     g_col = _colwise(g, r.grad, r, col_key)  # along M
-    dx = matmul(g_row, w_col, x_dtype.dtype, r.backend)  # [B, M, K], reduces N
-    dw = matmul(g_col, x_col, w_dtype.dtype, r.backend)  # [B, N, K], reduces M
+    dx = matmul(g_row, w_col, static.lhs_dtype, r.backend)  # [B, M, K], reduces N
+    dw = matmul(g_col, x_col, static.rhs_dtype, r.backend)  # [B, N, K], reduces M
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
 
 

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 import jaxmx
-from jaxmx.formats import get_format
 
 
 def _time_interleaved(fns: dict, x, warmup: int, repeats: int):
@@ -71,8 +70,8 @@ def main() -> None:
         "row+col": jax.jit(lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, mode)),
     }
     elem_bytes = 0.5 if fmt == "mxfp4" else 1.0
-    dtype = get_format(fmt).dtype
-    elem_max = get_format(fmt).elem_max
+    dtype = jaxmx.FORMATS[fmt].dtype
+    elem_max = jaxmx.FORMATS[fmt].elem_max
     if args.breakdown:
         fns |= {
             "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, 32)), -1)),

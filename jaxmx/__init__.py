@@ -1,5 +1,9 @@
 """jaxmx: micro-scaled (MX) low-precision training for JAX.
 
+The public API is this module's names plus :mod:`jaxmx.recipes`, :mod:`jaxmx.ffi` (the native
+custom calls) and :mod:`jaxmx.flax` (``jaxmx.flax.linen``, ``jaxmx.flax.nnx``). Everything under
+``jaxmx._src`` is implementation.
+
 Example:
     >>> import jax.numpy as jnp, jaxmx
     >>> q = jaxmx.quantize(jnp.ones((2, 32)), "mxfp8_e4m3")
@@ -8,23 +12,32 @@ Example:
 """
 
 from jaxmx import recipes
-from jaxmx.dot_general import dot_general
-from jaxmx.einsum import einsum
-from jaxmx.ffi import backends
-from jaxmx.formats import FORMATS, SCALE_MODES, Format
-from jaxmx.keys import stochastic_rounding
-from jaxmx.matmul import matmul
-from jaxmx.mxarray import MXArray
-from jaxmx.quantize import dequantize, quantize, quantize_rowwise_colwise
-from jaxmx.recipes import Recipe
-from jaxmx.swizzle import swizzle_scales, unswizzle_scales
+from jaxmx._src.alignment import BlockShardingError
+from jaxmx._src.backends import BACKENDS, backends
+from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
+from jaxmx._src.einsum import einsum
+from jaxmx._src.formats import FORMATS, SCALE_MODES, Format
+from jaxmx._src.keys import stochastic_rounding
+from jaxmx._src.matmul import matmul
+from jaxmx._src.mxarray import MXArray
+from jaxmx._src.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.recipes import Recipe
+from jaxmx._src.swizzle import swizzle_scales, unswizzle_scales
+from jaxmx._version import __version__
 
 __all__ = [
+    "BACKENDS",
     "FORMATS",
+    "LHS_COLWISE",
+    "LHS_INPUT",
+    "RHS_COLWISE",
+    "RHS_INPUT",
     "SCALE_MODES",
+    "BlockShardingError",
     "Format",
     "MXArray",
     "Recipe",
+    "__version__",
     "backends",
     "dequantize",
     "dot_general",
@@ -37,4 +50,3 @@ __all__ = [
     "swizzle_scales",
     "unswizzle_scales",
 ]
-__version__ = "0.1.0"

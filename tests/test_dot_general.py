@@ -13,7 +13,7 @@ import pytest
 import reference as mxref
 
 import jaxmx
-from jaxmx.dot_general import LHS_COLWISE, RHS_COLWISE
+from jaxmx import LHS_COLWISE, RHS_COLWISE
 
 EMULATE = jaxmx.recipes.MXFP8.replace(backend="emulate")
 TN = (((1,), (1,)), ((), ()))

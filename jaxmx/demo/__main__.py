@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxmx import BACKENDS
 from jaxmx.demo.train import RECIPES, Config
-from jaxmx.recipes import BACKENDS
 
 _DEFAULTS = Config()
 

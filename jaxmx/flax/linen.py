@@ -1,12 +1,11 @@
 """``flax.linen`` layers whose matmuls run through :func:`jaxmx.dot_general`.
 
 ``Dense``, ``DenseGeneral`` and ``Einsum`` take exactly the arguments of their Flax namesakes plus
-``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain high precision). They are
-subclasses of the Flax layers with the same parameter names, shapes and dtypes, so parameters and
-checkpoints are interchangeable with the stock layers.
+``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain high precision), with the same
+parameters, so checkpoints interchange with the stock layers. :func:`dot_general` gives the
+``dot_general=`` argument of a stock layer.
 
-To quantize a stock layer instead, pass :func:`dot_general`:
-
+Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
     >>> layer = nn.Dense(16, dot_general=mxl.dot_general())   # recipe defaults to MXFP8
     >>> y, _ = layer.init_with_output(jax.random.key(0), jnp.ones((4, 32)))
@@ -14,109 +13,6 @@ To quantize a stock layer instead, pass :func:`dot_general`:
     (4, 16)
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-import flax.linen as nn
-import jax.numpy as jnp
-
-from jaxmx.flax._ops import MXDotGeneral, MXEinsum, default_recipe
+from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
 
 __all__ = ["Dense", "DenseGeneral", "Einsum", "dot_general"]
-
-_DEFAULT = "jaxmx-default-recipe"  # sentinel: resolved to jaxmx.recipes.MXFP8 at construction
-
-
-def dot_general(recipe: Any = _DEFAULT) -> MXDotGeneral:
-    """A ``dot_general`` for the ``dot_general=`` argument of ``nn.Dense`` / ``nn.DenseGeneral``.
-
-    Args:
-        recipe: a :class:`jaxmx.Recipe` (default :data:`jaxmx.recipes.MXFP8`), or ``None`` for
-            ``lax.dot_general``.
-    """
-    return MXDotGeneral(_resolve(recipe))
-
-
-def _resolve(recipe):
-    return default_recipe() if isinstance(recipe, str) and recipe == _DEFAULT else recipe
-
-
-class _RecipeDotGeneral:
-    """Mixin: derives the Flax ``dot_general`` attribute from ``recipe`` when none is given."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "recipe", _resolve(self.recipe))
-        dg = self.dot_general
-        if self.dot_general_cls is None and (dg is None or isinstance(dg, MXDotGeneral)):
-            # Also refreshes a derived dot_general after ``clone(recipe=...)``.
-            object.__setattr__(self, "dot_general", MXDotGeneral(self.recipe))
-        super().__post_init__()
-
-
-class Dense(_RecipeDotGeneral, nn.Dense):
-    """``flax.linen.Dense`` computed with MX operands; ``recipe=None`` is exactly ``nn.Dense``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxmx.flax.linen as mxl
-        >>> y, params = mxl.Dense(8).init_with_output(jax.random.key(0), jnp.ones((2, 32)))
-        >>> y.shape, params["params"]["kernel"].shape
-        ((2, 8), (32, 8))
-    """
-
-    recipe: Any = _DEFAULT
-
-
-class DenseGeneral(_RecipeDotGeneral, nn.DenseGeneral):
-    """``flax.linen.DenseGeneral`` computed with MX operands; ``recipe=None`` is exactly Flax's."""
-
-    recipe: Any = _DEFAULT
-
-
-class Einsum(nn.Einsum):
-    """``flax.linen.Einsum`` whose contraction runs through ``jaxmx.dot_general``.
-
-    ``recipe=None`` is exactly ``nn.Einsum``.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, jaxmx.flax.linen as mxl
-        >>> layer = mxl.Einsum((4, 32, 8), "abc,acd->abd")
-        >>> layer.init_with_output(jax.random.key(0), jnp.ones((4, 2, 32)))[0].shape
-        (4, 2, 8)
-    """
-
-    recipe: Any = _DEFAULT
-
-    def __post_init__(self):
-        object.__setattr__(self, "recipe", _resolve(self.recipe))
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, inputs, einsum_str: str | None = None):
-        # Flax's Einsum.__call__ with jnp.einsum's contraction routed through jaxmx.
-        einsum_str = nn.merge_param("einsum_str", self.einsum_str, einsum_str)
-        einsum_str = einsum_str.replace(" ", "")
-        if "->" not in einsum_str:
-            raise ValueError('`einsum_str` equation must be explicit and include "->".')
-        if einsum_str.count(",") != 1:
-            raise ValueError(
-                "`einsum_str` equation must have exactly two operands and therefore, exactly one "
-                f"comma character, instead of {einsum_str.count(',')}"
-            )
-        kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
-        if self.use_bias:
-            bias_shape, broadcasted_bias_shape = self._get_bias_shape(einsum_str, inputs, kernel)
-            bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
-        else:
-            bias = None
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        y = MXEinsum(self.recipe)(
-            einsum_str,
-            inputs,
-            kernel,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-        )
-        if bias is not None:
-            y += jnp.reshape(bias, broadcasted_bias_shape)
-        return y

@@ -8,18 +8,14 @@ caches and nnx graph definitions stable.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-def default_recipe():
-    """The recipe a jaxmx layer uses when none is given: :data:`jaxmx.recipes.MXFP8`."""
-    from jaxmx import recipes
-
-    return recipes.MXFP8
+from jaxmx._src.dot_general import dot_general as jaxmx_dot_general
+from jaxmx._src.einsum import einsum as jaxmx_einsum
+from jaxmx._src.recipes import MXFP8, Recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +33,7 @@ class MXDotGeneral:
         (4, 8)
     """
 
-    recipe: Any = dataclasses.field(default_factory=default_recipe)
+    recipe: Recipe | None = MXFP8
 
     def __call__(
         self,
@@ -57,9 +53,7 @@ class MXDotGeneral:
                 preferred_element_type=preferred_element_type,
             )
         else:
-            import jaxmx
-
-            y = jaxmx.dot_general(
+            y = jaxmx_dot_general(
                 lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe
             )
         if out_sharding is not None:
@@ -82,7 +76,7 @@ class MXEinsum:
         (2, 4, 8)
     """
 
-    recipe: Any = dataclasses.field(default_factory=default_recipe)
+    recipe: Recipe | None = MXFP8
 
     def __call__(
         self,
@@ -103,9 +97,7 @@ class MXEinsum:
                 preferred_element_type=preferred_element_type,
                 out_sharding=out_sharding,
             )
-        import jaxmx
-
-        y = jaxmx.einsum(
+        y = jaxmx_einsum(
             subscripts, lhs, rhs, preferred_element_type=preferred_element_type, recipe=self.recipe
         )
         if out_sharding is not None:

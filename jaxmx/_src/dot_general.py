@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -36,13 +37,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmx import keys
-from jaxmx.matmul import matmul, resolve_backend
-from jaxmx.mxarray import MXArray
-from jaxmx.partitioning import check_block_alignment, dim, varying_axes
-from jaxmx.quantize import INPUT_DTYPES as _INPUT_DTYPES
-from jaxmx.quantize import colwise_transposed, quantize
-from jaxmx.recipes import MXFP8, Recipe
+from jaxmx._src import keys
+from jaxmx._src.alignment import ReducedAxis, check_block_alignment
+from jaxmx._src.dtypes import check_float_dtype
+from jaxmx._src.formats import get_format
+from jaxmx._src.matmul import matmul
+from jaxmx._src.mxarray import MXArray
+from jaxmx._src.quantize import quantize
+from jaxmx._src.recipes import MXFP8, Recipe
+from jaxmx._src.vma import varying_axes
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
 RHS_COLWISE = "jaxmx_rhs_colwise"
@@ -84,26 +87,16 @@ def dot_general(
         raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, a in (("lhs", lhs), ("rhs", rhs)):
-        if a.dtype not in _INPUT_DTYPES:
-            raise TypeError(
-                f"jaxmx.dot_general: {name} must be float32, bfloat16 or float16, got {a.dtype}"
-            )
-    if recipe.grad_rounding == "stochastic" and key is None:
-        key = keys.next_key()
-        if key is None:
-            raise ValueError(
-                "recipe.grad_rounding='stochastic' needs a PRNG key: pass key=..., or call "
-                "inside `with jaxmx.stochastic_rounding(key):`"
-            )
+        check_float_dtype(a.dtype, f"jaxmx.dot_general: {name}'s dtype")
     if recipe.grad_rounding == "nearest":
         key = None
+    elif key is None:
+        key = keys.next_key()  # may stay None: only a gradient needs it (checked there)
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    if out_dtype not in _INPUT_DTYPES:
-        raise TypeError(
-            "jaxmx.dot_general: preferred_element_type must be float32, bfloat16 or float16, "
-            f"got {out_dtype}"
-        )
+    out_dtype = check_float_dtype(
+        preferred_element_type or jnp.result_type(lhs, rhs),
+        "jaxmx.dot_general: preferred_element_type",
+    )
     x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
     w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
     batch_shape = x.shape[: len(dims.lhs_batch)]
@@ -111,8 +104,7 @@ def dot_general(
     n_shape = w.shape[len(dims.rhs_batch) : len(dims.rhs_batch) + len(dims.rhs_free)]
     k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
     b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
-    backend = resolve_backend(recipe.backend, (recipe.fwd, recipe.grad))
-    static = _Static(recipe.replace(backend=backend), out_dtype, lhs.dtype, rhs.dtype)
+    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
     y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
     return y.reshape(batch_shape + m_shape + n_shape)
 
@@ -136,9 +128,9 @@ class _Dims(NamedTuple):
     def of(cls, lhs_shape, rhs_shape, dimension_numbers) -> _Dims:
         try:
             (lc, rc), (lb, rb) = dimension_numbers
-            lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
+            lc, rc, lb, rb = (tuple(operator.index(d) for d in ds) for ds in (lc, rc, lb, rb))
         except (TypeError, ValueError):
-            raise ValueError(
+            raise TypeError(
                 "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
                 f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
             ) from None
@@ -176,10 +168,15 @@ def _mx_bmm_fwd(static: _Static, x, w, key):
 
 def _forward(static: _Static, x, w, key, training: bool):
     r = static.recipe
+    if training and r.grad_rounding == "stochastic" and key is None:
+        raise ValueError(
+            "recipe.grad_rounding='stochastic' needs a PRNG key to round the gradient: pass "
+            "key=..., or call inside `with jaxmx.stochastic_rounding(key):`"
+        )
     # Sharded reduction axes must be split into whole blocks: K here; with training, also the
     # rows of x (M, reduced by wgrad) and of w (N, reduced by dgrad), for the columnwise copies.
-    x = check_block_alignment(x, _WHERE, "lhs", _reduced(x.shape, "K", *("M",) * training))
-    w = check_block_alignment(w, _WHERE, "rhs", _reduced(w.shape, "K", *("N",) * training))
+    _check_alignment(x, "lhs", r.fwd, "K", *("M",) * training)
+    _check_alignment(w, "rhs", r.fwd, "K", *("N",) * training)
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
     if not training:
         return y, None
@@ -200,7 +197,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         x_col, w_col = x_saved, w_saved
     else:
         x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
-    g = check_block_alignment(g, _WHERE, "the output gradient", _reduced(g.shape, "N", "M"))
+    _check_alignment(g, "the output gradient", r.grad, "N", "M")
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -243,10 +240,11 @@ _AXES = {  # canonical axis -> (what it is, a hint), for BlockShardingError mess
 }
 
 
-def _reduced(shape, *names):
-    """Checks for the axes of a canonical [B, rows, cols] operand that its GEMMs reduce."""
+def _check_alignment(x, tensor: str, fmt: str, *names: str) -> None:
+    """Checks the axes ``names`` of a canonical [B, rows, cols] operand, which its GEMMs reduce."""
     index = {"K": 2, "M": 1, "N": 1} if names[0] == "K" else {"N": 2, "M": 1}
-    return tuple(dim(index[n], shape[index[n]], n, *_AXES[n]) for n in names)
+    axes = tuple(ReducedAxis(index[n], n, *_AXES[n]) for n in names)
+    check_block_alignment(x, _WHERE, tensor, axes, get_format(fmt).block)
 
 
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
@@ -259,13 +257,7 @@ def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _colwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
-    """x [B, M, K] quantized along M: for the native GEMM stored transposed, [B, K, M] (TN).
-
-    Emulation contracts the untransposed copy directly: a transposed copy would make XLA fuse
-    quantize, transpose and dequantize into one loop with strided reads of x.
-    """
-    if r.backend == "ffi":
-        return colwise_transposed(x, fmt, r.scale_mode, key=key)
+    """x [B, M, K] quantized along M, kept in place (the GEMM contracts it K-first)."""
     return quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
 
 

@@ -14,8 +14,8 @@ import string
 import jax
 import jax.numpy as jnp
 
-from jaxmx.dot_general import dot_general
-from jaxmx.recipes import MXFP8, Recipe
+from jaxmx._src.dot_general import dot_general
+from jaxmx._src.recipes import MXFP8, Recipe
 
 
 def einsum(

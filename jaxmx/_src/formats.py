@@ -1,9 +1,10 @@
-"""MX element formats: the static facts a quantizer needs about each one.
+"""MX element formats: the static facts a quantizer and a GEMM need about each one.
 
 Example:
-    >>> from jaxmx.formats import get_format
-    >>> get_format("mxfp8_e4m3").elem_max
-    448.0
+    >>> from jaxmx._src.formats import get_format
+    >>> f = get_format("mxfp8_e4m3")
+    >>> f.elem_max, f.block, f.is_fp8, f.has_inf
+    (448.0, 32, True, False)
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-
-BLOCK_SIZE = 32
-"""Elements that share one E8M0 scale (OCP MX v1.0)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +26,7 @@ class Format:
         emax: exponent of the largest power of two in the element format.
         mbits: explicit mantissa bits of the element format.
         emin: exponent of the smallest normal element (subnormals share its quantum).
-        block: elements per scale.
+        block: elements per scale (32 for every OCP MX format).
     """
 
     name: str
@@ -37,12 +35,27 @@ class Format:
     emax: int
     mbits: int
     emin: int
-    block: int = BLOCK_SIZE
+    block: int = 32
 
     @property
     def elem_max_mantissa(self) -> int:
         """The 23-bit float32 mantissa field of ``elem_max`` (used by rceil)."""
         return int(np.float32(self.elem_max).view(np.uint32)) & 0x7FFFFF
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether elements are 8-bit floats (encoded and decoded by integer code)."""
+        return jnp.dtype(self.dtype).itemsize == 1 and jnp.dtype(self.dtype).name != "float4_e2m1fn"
+
+    @property
+    def has_inf(self) -> bool:
+        """Whether the element format has infinities (IEEE-style specials: E5M2)."""
+        return bool(np.isinf(np.array(np.inf).astype(self.dtype)))
+
+    @property
+    def bits(self) -> int:
+        """Storage bits per element."""
+        return 4 if jnp.dtype(self.dtype).name == "float4_e2m1fn" else 8
 
 
 FORMATS: dict[str, Format] = {
@@ -66,17 +79,25 @@ SCALE_MODES = ("rceil", "floor", "ceil", "even")
 
 
 def get_format(fmt: str | Format) -> Format:
-    """Looks a format up by name, with a clear error for unknown names."""
+    """Looks a format up by name (or checks a :class:`Format`), with a clear error otherwise.
+
+    Only the formats of :data:`FORMATS` are accepted: a hand-made ``Format`` that is not one of
+    them raises, since every part of jaxmx (decode, GEMMs) must know it.
+    """
     if isinstance(fmt, Format):
+        if FORMATS.get(fmt.name) != fmt:
+            raise ValueError(
+                f"unknown MX format {fmt!r}; use one of {sorted(FORMATS)} (custom formats are "
+                "not supported)"
+            )
         return fmt
-    try:
+    if isinstance(fmt, str) and fmt in FORMATS:
         return FORMATS[fmt]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown MX format {fmt!r}; expected one of {sorted(FORMATS)}") from None
+    raise ValueError(f"unknown MX format {fmt!r}; expected one of {sorted(FORMATS)}")
 
 
 def check_scale_mode(scale_mode: str) -> str:
     """Returns ``scale_mode`` if it is known, else raises a ValueError naming the choices."""
-    if scale_mode not in SCALE_MODES:
+    if not isinstance(scale_mode, str) or scale_mode not in SCALE_MODES:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; expected one of {SCALE_MODES}")
     return scale_mode

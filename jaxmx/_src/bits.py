@@ -2,6 +2,12 @@
 
 XLA on CPU flushes float32 subnormals in arithmetic, so every place where a subnormal input or
 output matters is built from integer operations on the float32 bits.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmx._src import bits
+    >>> bits.ldexp_exact(jnp.float32(1.0), jnp.int32(-127)).item() == 2.0**-127
+    True
 """
 
 from __future__ import annotations
@@ -31,6 +37,33 @@ def upcast_exact(x: jnp.ndarray) -> jnp.ndarray:
         bits16 = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32)
         return from_bits(bits16 << 16)
     return x.astype(jnp.float32)
+
+
+BYTE_DTYPES = tuple(
+    jnp.dtype(t) for t in (jnp.uint8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu)
+)
+"""The 8-bit dtypes jaxmx moves as raw bytes: codes, E8M0 scales and ``uint8`` itself."""
+
+
+SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
+"""The dtypes an E8M0 scale array may come in."""
+
+
+def as_bytes(x: jnp.ndarray, what: str = "array", dtypes=BYTE_DTYPES) -> jnp.ndarray:
+    """The ``uint8`` view of an 8-bit array; a TypeError naming ``what`` for other dtypes.
+
+    ``dtypes`` restricts what is accepted (default: any of :data:`BYTE_DTYPES`).
+    """
+    x = jnp.asarray(x)
+    if x.dtype not in dtypes:
+        names = ", ".join(d.name for d in dtypes)
+        raise TypeError(f"{what} must have an 8-bit dtype ({names}), got {x.dtype}")
+    return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def from_bytes(x: jnp.ndarray, dtype) -> jnp.ndarray:
+    """The inverse of :func:`as_bytes`: ``uint8`` bytes viewed as the 8-bit ``dtype``."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
 def pow2(k: jnp.ndarray) -> jnp.ndarray:

@@ -22,13 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx._src import bits
+
 ROW_TILE = 128
 COL_TILE = 4
 
 
 def swizzle_scales(scale: jax.Array) -> jax.Array:
     """Compact [..., R, C] E8M0 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile order."""
-    s = _as_bytes(scale)
+    s = bits.as_bytes(scale, "scales", bits.SCALE_DTYPES)
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
     *batch, rows, cols = s.shape
@@ -43,7 +45,7 @@ def swizzle_scales(scale: jax.Array) -> jax.Array:
 
 def unswizzle_scales(buf: jax.Array, rows: int, cols: int) -> jax.Array:
     """The inverse of :func:`swizzle_scales`: [..., Rp * Cp] bytes -> [..., R, C] E8M0."""
-    b = _as_bytes(buf)
+    b = bits.as_bytes(buf, "a swizzled scale buffer", bits.SCALE_DTYPES)
     rp, cp = _round_up(rows, ROW_TILE), _round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:
         raise ValueError(
@@ -55,15 +57,6 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int) -> jax.Array:
     s = s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (r0, r1, r2, c0, c1)
     s = s.reshape(*batch, rp, cp)[..., :rows, :cols]
     return lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x)
-    if x.dtype == jnp.float8_e8m0fnu:
-        return lax.bitcast_convert_type(x, jnp.uint8)
-    if x.dtype == jnp.uint8:
-        return x
-    raise TypeError(f"scales must be float8_e8m0fnu or uint8, got {x.dtype}")
 
 
 def _round_up(n: int, m: int) -> int:

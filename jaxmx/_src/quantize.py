@@ -19,12 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx import _bits
-from jaxmx.formats import Format, check_scale_mode, get_format
-from jaxmx.mxarray import MXArray
-
-INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-"""The high-precision dtypes that can be quantized."""
+from jaxmx._src import bits
+from jaxmx._src.dtypes import check_float_dtype
+from jaxmx._src.formats import Format, check_scale_mode, get_format
+from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, swap_last_axes
 
 
 def quantize(
@@ -67,11 +65,9 @@ def quantize(
         key = _check_key(key)
     xb = _blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
     data, scale = _quantize_blocks(xb, f, scale_mode, key)
-    padded = (*x.shape[:axis], xb.shape[1] * f.block, *x.shape[axis + 1 :])
-    scale_shape = (*x.shape[:axis], xb.shape[1], *x.shape[axis + 1 :])
     return MXArray(
-        data=data.reshape(padded),
-        scale=scale.reshape(scale_shape),
+        data=data.reshape(padded_shape(x.shape, axis, f.block)),
+        scale=scale.reshape(scale_shape(x.shape, axis, f.block)),
         fmt=f.name,
         axis=axis,
         shape=tuple(x.shape),
@@ -81,7 +77,12 @@ def quantize(
 def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     """Decodes ``q`` to ``dtype``, exactly (values are exact in float32, subnormals included).
 
+    Args:
+        q: an :class:`MXArray` (checked for consistency first).
+        dtype: float32 (default), bfloat16 or float16.
+
     Returns an array of the logical (unpadded) shape. Blocks with the NaN scale become NaN.
+    ``dequantize`` is not differentiable (use :func:`jaxmx.dot_general` to train).
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -89,29 +90,8 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
         >>> jaxmx.dequantize(jaxmx.quantize(x))[:3].tolist()
         [1.0, -0.5, 0.25]
     """
-    return _dequantize(q, dtype, exact=True)
-
-
-def dequantize_for_dot(q: MXArray, dtype=jnp.float32) -> jax.Array:
-    """:func:`dequantize` for a GEMM operand: exact except that results below 2^-126 may be 0.
-
-    A plain float multiply by the power-of-two scale (about half the work of the exact
-    bit-level decode). Where float32 arithmetic flushes subnormals (XLA:CPU), values that would
-    be subnormal become zero, which changes nothing in a float32 dot on that platform: it treats
-    subnormal operands as zero anyway. Elsewhere the multiply is exact.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxmx
-        >>> from jaxmx.quantize import dequantize_for_dot
-        >>> dequantize_for_dot(jaxmx.quantize(jnp.full((32,), 3.0)))[:2].tolist()
-        [3.0, 3.0]
-    """
-    return _dequantize(q, dtype, exact=False)
-
-
-def _dequantize(q: MXArray, dtype, exact: bool) -> jax.Array:
-    if not isinstance(q, MXArray):
-        raise TypeError(f"dequantize expects an MXArray, got {type(q).__name__}")
+    q = checked(q, "dequantize")
+    dtype = check_float_dtype(dtype, "dequantize: dtype")
     f = q.format
     # XLA's constant folder mis-evaluates the bit manipulation below on transposed float8
     # constants (e.g. quantized jit-captured arrays): the barrier keeps it out of folding.
@@ -120,14 +100,12 @@ def _dequantize(q: MXArray, dtype, exact: bool) -> jax.Array:
     axis = q.axis + batch
     outer = math.prod(q.data.shape[:axis])
     n_blocks = q.scale.shape[axis]
-    values = _decode(q.data, f).reshape(outer, n_blocks, f.block, -1)
-    byte = _scale_byte(q.scale).reshape(outer, n_blocks, 1, -1)
-    k = jnp.minimum(byte, 254) - _bits.EXPONENT_BIAS
-    if exact:
-        out = _bits.ldexp_exact(values, k)
-    else:  # 2^-127 is subnormal: scale by 2^-126, then halve
-        out = values * _bits.pow2(jnp.maximum(k, -126)) * jnp.where(k < -126, 0.5, 1.0)
-    out = jnp.where(byte == _bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
+    inner = math.prod(q.data.shape[axis + 1 :])
+    values = decode_elements(q.data, f).reshape(outer, n_blocks, f.block, inner)
+    byte = scale_exponent_bytes(q.scale).reshape(outer, n_blocks, 1, inner)
+    k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
+    out = bits.ldexp_exact(values, k)
+    out = jnp.where(byte == bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
     out = lax.slice_in_dim(out, 0, q.shape[q.axis], axis=axis)
     return out.astype(dtype)
 
@@ -144,6 +122,7 @@ def quantize_rowwise_colwise(
     Returns:
         ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
         ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
+        With ``key``, the two copies round with ``split(key)``'s two keys.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -158,55 +137,48 @@ def quantize_rowwise_colwise(
     if key is not None:
         row_key, col_key = jax.random.split(_check_key(key))
     row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key)
-    col_t = colwise_transposed(x, fmt, scale_mode, key=col_key)
-    return row, col_t
+    col = quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key)
+    return row, swap_last_axes(col)
 
 
-def colwise_transposed(
-    x: jax.Array, fmt: str = "mxfp8_e4m3", scale_mode: str = "rceil", *, key=None
-) -> MXArray:
-    """``x [..., M, K]`` quantized along M, stored physically transposed as ``[..., K, M]``.
+def decode_elements(data: jax.Array, f: Format) -> jax.Array:
+    """float32 values of element codes of format ``f``, exactly."""
+    if f.is_fp8:
+        code = lax.bitcast_convert_type(data, jnp.uint8)
+        return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf)
+    return data.astype(jnp.float32)
 
-    The result equals ``quantize(swapaxes(x, -1, -2), fmt, axis=-1)``, but reads ``x`` in its own
-    layout (a strided read of a transposed float32 input is ~10x slower on XLA:CPU) and moves
-    only the one-byte codes.
 
-    Example:
-        >>> import jax.numpy as jnp, jaxmx
-        >>> from jaxmx.quantize import colwise_transposed
-        >>> colwise_transposed(jnp.ones((64, 5))).data.shape
-        (5, 64)
-    """
-    x = jnp.asarray(x)
-    if x.ndim < 2:
-        raise ValueError(f"a columnwise copy needs an array of rank >= 2, got shape {x.shape}")
-    q = quantize(x, fmt, axis=x.ndim - 2, scale_mode=scale_mode, key=key)
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2])
-    return MXArray(q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2), q.fmt, x.ndim - 1, shape)
+def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
+    """The E8M0 bytes of ``scale`` as int32 (the scale is ``2^(byte - 127)``, 255 is NaN)."""
+    return bits.as_bytes(scale, "MX scales", bits.SCALE_DTYPES).astype(jnp.int32)
 
 
 # --- internals ------------------------------------------------------------------------------
 
 
 def _check_input(x: jax.Array) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype not in INPUT_DTYPES:
-        raise TypeError(
-            f"quantize expects a float32, bfloat16 or float16 array, got dtype {x.dtype}"
-        )
+    check_float_dtype(x.dtype, "quantize: x's dtype")
     if x.ndim == 0:
         raise ValueError("quantize expects an array of rank >= 1, got a scalar")
 
 
-def _check_key(key: jax.Array) -> jax.Array:
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+def _check_key(key) -> jax.Array:
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
         return key
-    if key.dtype == jnp.uint32 and key.shape == (2,):
+    if dtype == jnp.uint32 and key.shape == (2,):
         return key
-    raise TypeError(f"key must be a PRNG key (jax.random.key), got {key.dtype}{key.shape}")
+    shape = getattr(key, "shape", "")
+    raise TypeError(
+        f"key must be a PRNG key (jax.random.key), got {dtype or type(key).__name__}{shape}"
+    )
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
     try:
+        if isinstance(axis, bool):
+            raise TypeError
         axis = operator.index(axis)
     except TypeError:
         raise TypeError(f"axis must be an integer, got {axis!r}") from None
@@ -217,7 +189,7 @@ def _normalize_axis(axis: int, ndim: int) -> int:
 
 def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
-    x = _bits.upcast_exact(x)
+    x = bits.upcast_exact(x)
     size = x.shape[axis]
     n_blocks = -(-size // block)
     if n_blocks * block != size:
@@ -230,11 +202,11 @@ def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 
 def _quantize_blocks(xb, f: Format, scale_mode: str, key):
-    bits = _bits.to_bits(xb)
-    magnitude_bits = bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
+    x_bits = bits.to_bits(xb)
+    magnitude_bits = x_bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
 
     def byte_of(amax_bits):
-        return _bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
+        return bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
 
     if xb.shape[3] == 1:
         # Blocks along the minor axis. The byte is a non-decreasing function of amax's bits in
@@ -245,8 +217,8 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
         byte = jnp.max(byte_of(magnitude_bits), axis=2, keepdims=True)
     else:
         byte = byte_of(jnp.max(magnitude_bits, axis=2, keepdims=True))
-    exponent = jnp.where(byte == _bits.E8M0_NAN, 128, byte - _bits.EXPONENT_BIAS)
-    scaled = _bits.scale_by_pow2(xb, -exponent)
+    exponent = jnp.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
+    scaled = bits.scale_by_pow2(xb, -exponent)
     if key is not None:
         scaled = _round_stochastically(scaled, f, key)
     elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
@@ -256,7 +228,7 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
 
 def _round_up(amax_bits, f: Format, scale_mode: str):
     """Whether the block exponent is one above floor(log2(amax)) - emax, per scale mode."""
-    mantissa = amax_bits & _bits.MANTISSA_MASK
+    mantissa = amax_bits & bits.MANTISSA_MASK
     if scale_mode == "floor":
         return jnp.zeros_like(mantissa)
     if scale_mode == "ceil":
@@ -266,50 +238,29 @@ def _round_up(amax_bits, f: Format, scale_mode: str):
         # subnormal: for amax = elem_max * 2^-127 * (1 + 2^-23) (biased exponent emax, mantissa
         # one above elem_max's) d rounds to exactly 2^-127 (m == 0x400000), which their rule does
         # not round up: byte 0. Checked against the literal formula for every float32 amax.
-        edge = ((amax_bits >> _bits.MANTISSA_BITS) == f.emax) & (
-            mantissa == f.elem_max_mantissa + 1
-        )
+        edge = ((amax_bits >> bits.MANTISSA_BITS) == f.emax) & (mantissa == f.elem_max_mantissa + 1)
         return (mantissa > f.elem_max_mantissa) & ~edge
-    half_ulp = 1 << (_bits.MANTISSA_BITS - f.mbits - 1)  # "even": does rounding amax carry?
-    return mantissa + half_ulp > _bits.MANTISSA_MASK
+    half_ulp = 1 << (bits.MANTISSA_BITS - f.mbits - 1)  # "even": does rounding amax carry?
+    return mantissa + half_ulp > bits.MANTISSA_MASK
 
 
 def _round_stochastically(scaled, f: Format, key):
     """Rounds ``scaled`` to the element grid up or down with probability by distance."""
     magnitude = jnp.abs(scaled)
-    exponent = (_bits.to_bits(magnitude) >> _bits.MANTISSA_BITS) - _bits.EXPONENT_BIAS
+    exponent = (bits.to_bits(magnitude) >> bits.MANTISSA_BITS) - bits.EXPONENT_BIAS
     quantum_exp = jnp.maximum(exponent, f.emin) - f.mbits
-    units = magnitude * _bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
+    units = magnitude * bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
     whole = jnp.floor(units)
     noise = jax.random.uniform(key, scaled.shape, jnp.float32)
     # up with probability frac(units); not floor(units + noise), whose float32 sum can round up
     # to the next integer and move an exactly representable value (p ~ 2^-21)
     up = (noise < units - whole).astype(jnp.float32)  # units - whole is exact
-    rounded = (whole + up) * _bits.pow2(quantum_exp)
+    rounded = (whole + up) * bits.pow2(quantum_exp)
     return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
 
 
 def _encode(values: jax.Array, f: Format) -> jax.Array:
     """RNE cast of in-range float32 values to the element dtype."""
-    if _is_fp8(f):
-        return lax.bitcast_convert_type(_bits.encode_fp8(values, f.mbits, f.emin), f.dtype)
+    if f.is_fp8:
+        return lax.bitcast_convert_type(bits.encode_fp8(values, f.mbits, f.emin), f.dtype)
     return values.astype(f.dtype)
-
-
-def _decode(data: jax.Array, f: Format) -> jax.Array:
-    if data.dtype != f.dtype:
-        raise TypeError(f"MXArray of format {f.name} must hold {f.dtype} data, got {data.dtype}")
-    if _is_fp8(f):
-        code = lax.bitcast_convert_type(data, jnp.uint8)
-        return _bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.name == "mxfp8_e5m2")
-    return data.astype(jnp.float32)
-
-
-def _is_fp8(f: Format) -> bool:
-    return jnp.dtype(f.dtype).itemsize == 1 and f.dtype != jnp.float4_e2m1fn
-
-
-def _scale_byte(scale: jax.Array) -> jax.Array:
-    if scale.dtype != jnp.float8_e8m0fnu:
-        raise TypeError(f"MX scales must be float8_e8m0fnu, got {scale.dtype}")
-    return lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)

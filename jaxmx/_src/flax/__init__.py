@@ -1,0 +1,1 @@
+"""The Flax integration's implementation (public names: ``jaxmx.flax``)."""

@@ -1,0 +1,156 @@
+"""``flax.nnx`` layers whose matmuls run through :func:`jaxmx.dot_general`, and model conversion.
+
+``Linear`` and ``Einsum`` are subclasses of ``nnx.Linear`` / ``nnx.Einsum`` that take the same
+arguments plus ``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain high precision).
+They only set Flax's own ``dot_general`` / ``einsum_op`` hook, so parameters (names, shapes,
+``param_dtype``) and checkpoints are those of the stock layers.
+
+:func:`quantize_model` converts the ``nnx.Linear`` / ``nnx.Einsum`` layers of an existing model in
+place, leaving embeddings and output heads in high precision by default.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxmx.flax.nnx as mxnnx
+    >>> layer = mxnnx.Linear(32, 16, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((4, 32))).shape, layer.kernel.dtype
+    ((4, 16), dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable
+
+from flax import nnx
+
+from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.recipes import MXFP8, Recipe
+
+DEFAULT_EXCLUDE: tuple[str, ...] = ("*embed*", "head", "*_head", "logits", "classifier")
+"""Layer-path patterns :func:`quantize_model` leaves in high precision unless told otherwise.
+
+Embeddings (tied or not) and the output head stay in high precision, as in NVIDIA's MXFP8 and
+DeepSeek-V3's FP8 recipes. A pattern matches a layer if it matches its whole ``/``-joined path
+(``"blocks/0/mlp/up"``) or any single component of it (``fnmatch`` syntax).
+"""
+
+
+class Linear(nnx.Linear):
+    """``nnx.Linear`` computed with MX operands; ``recipe=None`` is exactly ``nnx.Linear``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jaxmx.flax.nnx as mxnnx
+        >>> mxnnx.Linear(32, 8, rngs=nnx.Rngs(0))(jnp.ones((2, 32))).shape
+        (2, 8)
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, recipe: Recipe | None = MXFP8, **kwargs
+    ):
+        if "dot_general" in kwargs:
+            raise TypeError("pass either recipe= or dot_general=, not both")
+        super().__init__(in_features, out_features, dot_general=MXDotGeneral(recipe), **kwargs)
+        self.recipe = recipe
+
+
+class Einsum(nnx.Einsum):
+    """``nnx.Einsum`` whose contraction runs through ``jaxmx.dot_general``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jaxmx.flax.nnx as mxnnx
+        >>> layer = mxnnx.Einsum("btd,dnh->btnh", (32, 4, 8), rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((2, 3, 32))).shape
+        (2, 3, 4, 8)
+    """
+
+    def __init__(
+        self,
+        einsum_str: str,
+        kernel_shape,
+        bias_shape=None,
+        *,
+        recipe: Recipe | None = MXFP8,
+        **kwargs,
+    ):
+        if "einsum_op" in kwargs:
+            raise TypeError("pass either recipe= or einsum_op=, not both")
+        super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=MXEinsum(recipe), **kwargs)
+        self.recipe = recipe
+
+
+Rule = str | Iterable[str] | Callable[[str, nnx.Module], bool] | None
+
+
+def quantize_model(
+    model: nnx.Module,
+    recipe: Recipe | None = MXFP8,
+    *,
+    include: Rule = None,
+    exclude: Rule = DEFAULT_EXCLUDE,
+) -> dict[str, nnx.Module]:
+    """Routes the ``nnx.Linear`` / ``nnx.Einsum`` layers of ``model`` through jaxmx, in place.
+
+    Only the layers' ``dot_general`` / ``einsum_op`` hooks change: parameters, their dtypes and the
+    model's state tree are untouched, so optimizer state and checkpoints stay valid.
+
+    Args:
+        model: any nnx module.
+        recipe: a :class:`jaxmx.Recipe` (default :data:`jaxmx.recipes.MXFP8`); ``None`` restores
+            plain high-precision ``lax.dot_general`` / ``jnp.einsum`` on the matched layers.
+        include: which layers to consider: ``None`` (all), ``fnmatch`` pattern(s) matched against
+            the ``/``-joined layer path or any of its components, or a predicate
+            ``(path, layer) -> bool``.
+        exclude: layers to leave alone, same forms; default :data:`DEFAULT_EXCLUDE` (embeddings and
+            output heads). Pass ``()`` to convert everything ``include`` matches.
+
+    Returns:
+        ``{path: layer}`` for every layer that was converted, in traversal order.
+
+    Example:
+        >>> from flax import nnx
+        >>> import jaxmx.flax.nnx as mxnnx
+        >>> class Net(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.up = nnx.Linear(32, 64, rngs=rngs)
+        ...         self.head = nnx.Linear(64, 10, rngs=rngs)
+        >>> sorted(mxnnx.quantize_model(Net(nnx.Rngs(0))))
+        ['up']
+    """
+    included = _matcher(include, default=True)
+    excluded = _matcher(exclude, default=False)
+    converted = {}
+    for path, layer in nnx.iter_modules(model):
+        if not isinstance(layer, (nnx.Linear, nnx.Einsum)):
+            continue
+        name = "/".join(str(p) for p in path)
+        if not included(name, layer) or excluded(name, layer):
+            continue
+        if isinstance(layer, nnx.Linear):
+            layer.dot_general = MXDotGeneral(recipe)
+        else:
+            layer.einsum_op = MXEinsum(recipe)
+        layer.recipe = recipe
+        converted[name] = layer
+    return converted
+
+
+def _matcher(rule: Rule, default: bool) -> Callable[[str, nnx.Module], bool]:
+    if rule is None:
+        return lambda name, layer: default
+    if callable(rule):
+        return rule
+    patterns = (rule,) if isinstance(rule, str) else tuple(rule)
+
+    def match(name: str, layer) -> bool:
+        parts = name.split("/")
+        return any(
+            fnmatch.fnmatchcase(name, p) or any(fnmatch.fnmatchcase(c, p) for c in parts)
+            for p in patterns
+        )
+
+    return match

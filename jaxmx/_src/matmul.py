@@ -1,0 +1,89 @@
+"""The MX GEMM: ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on MX operands.
+
+It checks its operands and hands them to a backend (:mod:`jaxmx._src.backends`): the emulation,
+or the native custom call, which takes TN operands (a K-first operand's 1-byte codes and scales
+are transposed for it). With ``backend="auto"`` the choice is made per lowering platform.
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> a = jaxmx.quantize(jnp.ones((2, 64)), "mxfp8_e4m3")
+    >>> b = jaxmx.quantize(jnp.full((3, 64), 0.5), "mxfp8_e4m3")
+    >>> jaxmx.matmul(a, b, jnp.float32).tolist()
+    [[32.0, 32.0, 32.0], [32.0, 32.0, 32.0]]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx._src import native
+from jaxmx._src.alignment import ReducedAxis, check_block_alignment
+from jaxmx._src.backends import per_platform
+from jaxmx._src.dtypes import check_float_dtype
+from jaxmx._src.emulate import emulated_matmul
+from jaxmx._src.mxarray import MXArray, checked, swap_last_axes
+
+
+def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
+    """Multiplies two MX operands, each quantized along the contracting axis K.
+
+    Args:
+        a: [..., M, K] quantized along K (its last axis: the TN form), or [..., K, M] quantized
+            along K (its axis -2: a columnwise copy kept untransposed).
+        b: [..., N, K] or [..., K, N] likewise, with the same leading (batch) shape as ``a``.
+        out_dtype: bfloat16 (default), float16 or float32: the dtype of the result [..., M, N].
+        backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs MX
+            GEMMs and both formats are native, else the emulation), ``"emulate"`` (any device)
+            or ``"ffi"`` (the native custom call).
+
+    The emulation (:mod:`jaxmx._src.emulate`) agrees with the native GEMM wherever the exact
+    result is a finite float32, except that XLA:CPU flushes subnormal operands, products and
+    partial sums (docs/training_gemm.md).
+    """
+    a, b = checked(a, "matmul: a"), checked(b, "matmul: b")
+    _check_operands(a, b)
+    out_dtype = check_float_dtype(out_dtype, "matmul: out_dtype")
+    for name, q in (("a", a), ("b", b)):
+        k = q.data.ndim - 1 if q.axis == q.ndim - 1 else q.data.ndim - 2
+        axis = ReducedAxis(k, "K", "the contracting dimension")
+        check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
+    runners = {
+        platform: _RUNNERS[name] for platform, name in per_platform(backend, (a.fmt, b.fmt)).items()
+    }
+    if len(runners) == 1:
+        return runners["default"](a, b, out_dtype)
+    branches = {p: (lambda a, b, run=run: run(a, b, out_dtype)) for p, run in runners.items()}
+    return lax.platform_dependent(a, b, **branches)
+
+
+def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
+    return native.mx_matmul(_tn(a), _tn(b), out_dtype)
+
+
+_RUNNERS = {"emulate": emulated_matmul, "ffi": _native}
+
+
+def _tn(q: MXArray) -> MXArray:
+    """``q`` in TN form: a K-first operand has its 1-byte codes and scales transposed."""
+    return q if q.axis == q.ndim - 1 else swap_last_axes(q)
+
+
+def _check_operands(a: MXArray, b: MXArray) -> None:
+    for name, q in (("a", a), ("b", b)):
+        if q.ndim < 2 or q.axis < q.ndim - 2:
+            raise ValueError(
+                f"matmul operand {name} must be quantized along K, one of its last two axes "
+                f"([..., rows, K] or [..., K, rows]), got shape {q.shape} quantized along axis "
+                f"{q.axis}"
+            )
+    if a.shape[a.axis] != b.shape[b.axis]:
+        raise ValueError(
+            f"matmul: contracting sizes differ, a has K={a.shape[a.axis]}, b has "
+            f"K={b.shape[b.axis]}"
+        )
+    if a.data.shape[:-2] != b.data.shape[:-2]:
+        raise ValueError(
+            f"matmul: batch shapes differ, a {a.data.shape[:-2]} vs b {b.data.shape[:-2]}"
+        )

@@ -1,0 +1,312 @@
+"""The native GEMMs: XLA FFI custom calls into the ``jaxmx._ffi`` extension.
+
+Two custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
+(built when the CUDA headers were found, see docs/native.md):
+
+- ``jaxmx_mx_matmul``: MXFP8 operands (E4M3 / E5M2 codes, one E8M0 scale per 32 elements along
+  K, scales in the cuBLAS 128x4 tiled layout); cuBLASLt ``VEC32_UE8M0`` block scaling, which
+  needs compute capability >= 10.0 and CUDA >= 12.8.
+- ``jaxmx_fp8_matmul``: FP8 operands with one float32 scale per tensor (cuBLASLt
+  ``SCALAR_32F``, compute capability >= 8.9, so Hopper too).
+
+Both take TN operands, ``a`` [..., M, K] and ``b`` [..., N, K], and return
+``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. Both are
+jitted (one compiled call per shape when called eagerly), vmappable, and partitioned under SPMD
+(the MX GEMM by :mod:`jaxmx._src.partitioning`).
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> from jaxmx import ffi
+    >>> a = jaxmx.quantize(jnp.ones((4, 64)))
+    >>> b = jaxmx.quantize(jnp.full((8, 64), 0.5))
+    >>> ffi.mx_matmul(a, b, jnp.float32)[0, :3].tolist()
+    [32.0, 32.0, 32.0]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jaxmx._src import bits, extension
+from jaxmx._src.alignment import ReducedAxis, check_block_alignment
+from jaxmx._src.backends import NATIVE_FORMATS
+from jaxmx._src.batching import vmappable
+from jaxmx._src.dtypes import check_float_dtype
+from jaxmx._src.formats import FORMATS
+from jaxmx._src.mxarray import MXArray, checked
+from jaxmx._src.partitioning import partitioned_gemm
+from jaxmx._src.swizzle import swizzle_scales
+from jaxmx._src.vma import vary_like
+
+MX_TARGET = "jaxmx_mx_matmul"
+FP8_TARGET = "jaxmx_fp8_matmul"
+
+WORKSPACE_BYTES = 32 * 1024 * 1024
+"""cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only)."""
+
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_N_MULTIPLE = 16  # cuBLASLt: rows of out^T padded so every row of out starts 16-byte aligned
+
+
+# --- MX GEMM -----------------------------------------------------------------------------------
+
+
+def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
+    """``a @ b^T`` for MXFP8 operands in TN form, on the native custom call.
+
+    Args:
+        a: [..., M, K] quantized along its last axis (``mxfp8_e4m3`` or ``mxfp8_e5m2``).
+        b: [..., N, K] quantized along its last axis, same leading (batch) dims and K.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        [..., M, N] in ``out_dtype``, accumulated in float32. The compact scales are swizzled to
+        the cuBLAS 128x4 layout right before the call. Works under ``jit`` and ``vmap``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> from jaxmx import ffi
+        >>> a = jaxmx.quantize(jnp.ones((2, 3, 32)))
+        >>> b = jaxmx.quantize(jnp.ones((2, 5, 32)), "mxfp8_e5m2")
+        >>> ffi.mx_matmul(a, b).shape
+        (2, 3, 5)
+    """
+    a = _check_mx_operand(a, "a")
+    b = _check_mx_operand(b, "b")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(
+            f"mx_matmul: contracting sizes differ: a has K = {a.shape[-1]}, b has "
+            f"K = {b.shape[-1]}; operands are a [..., M, K] and b [..., N, K]"
+        )
+    if a.data.shape[:-2] != b.data.shape[:-2]:
+        raise ValueError(
+            f"mx_matmul: batch dimensions differ: a {a.data.shape[:-2]} vs b "
+            f"{b.data.shape[:-2]} (data shapes {a.data.shape} and {b.data.shape})"
+        )
+    out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
+    extension.register_targets()
+    return _mx_call(out_dtype)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
+
+
+def _check_mx_operand(q, name: str) -> MXArray:
+    q = checked(q, f"mx_matmul: {name}")
+    if q.fmt not in NATIVE_FORMATS:
+        raise NotImplementedError(
+            f"mx_matmul: {name} is {q.fmt}, which the native GEMM does not support "
+            f"(supported: {', '.join(NATIVE_FORMATS)}); use the emulation backend"
+        )
+    if q.ndim < 2 or q.axis != q.ndim - 1:
+        raise ValueError(
+            f"mx_matmul: {name} must be [..., rows, K] quantized along its last axis (TN form), "
+            f"got axis {q.axis} of logical shape {q.shape}; quantize the transposed tensor "
+            "(jaxmx.quantize_rowwise_colwise gives both copies)"
+        )
+    k = ReducedAxis(q.data.ndim - 1, "K", "the contracting dimension")
+    check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
+    return q
+
+
+def _zero_padding(q: MXArray) -> jax.Array:
+    """The codes of ``q`` with any padding along K set to zero (whatever a hand-built one holds)."""
+    k = q.shape[-1]
+    if k == q.data.shape[-1]:
+        return q.data
+    codes = bits.as_bytes(q.data)
+    index = lax.broadcasted_iota(jnp.int32, codes.shape, codes.ndim - 1)
+    return bits.from_bytes(jnp.where(index < k, codes, 0).astype(jnp.uint8), q.data.dtype)
+
+
+@functools.cache
+def _mx_call(out_dtype):
+    # vmap outside, SPMD partitioning inside: each device swizzles the scales of its own blocks.
+    # Jitted, so that eager calls hit a compiled-call cache instead of re-tracing.
+    block = FORMATS[NATIVE_FORMATS[0]].block
+    gemm = partitioned_gemm(_mx_per_shard, out_dtype, "jaxmx.ffi.mx_matmul", block)
+    return jax.jit(vmappable(gemm, fold=(True, False, True, False)))
+
+
+@functools.cache
+def _mx_per_shard(out_dtype):
+    """The custom call on (one device's) operands: swizzles the compact scales, then calls."""
+
+    def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+        b_data, b_scale, n = _pad_rows(b_data, b_scale, n_multiple)
+        return (a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale)), n
+
+    def impl(a_data, b_data, a_scale, b_scale):
+        return _custom_call(
+            MX_TARGET, "mx_matmul", out_dtype, prepare, a_data, b_data, a_scale, b_scale
+        )
+
+    return impl
+
+
+def _pad_rows(data, scale, multiple: int):
+    """Zero rows appended to a [..., N, K] operand (and its [..., N, *] scales) up to a multiple.
+
+    Zero codes contribute nothing whatever their scale, and the extra output columns are dropped.
+    """
+    n = data.shape[-2]
+    pad = -n % multiple
+    if pad:
+        widths = [(0, 0)] * (data.ndim - 2) + [(0, pad), (0, 0)]
+        data = jnp.pad(data, widths)
+        if scale.ndim == data.ndim:
+            scale = jnp.pad(bits.as_bytes(scale), widths)
+    return data, scale, n
+
+
+# --- per-tensor FP8 GEMM --------------------------------------------------------------------
+
+
+def fp8_matmul(a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+    """``(a_scale * b_scale) * (a @ b^T)`` for FP8 operands with per-tensor float32 scales.
+
+    The cuBLASLt FP8 GEMM (compute capability >= 8.9, Hopper included) through the same
+    machinery as :func:`mx_matmul`; on CPU the C++ handler.
+
+    Args:
+        a_fp8: [..., M, K] float8_e4m3fn or float8_e5m2.
+        b_fp8: [..., N, K], same leading dims and K; E5M2 x E5M2 is not offered (cuBLASLt has
+            no such kernel). K must be a multiple of 16 (a cuBLASLt FP8 requirement).
+        a_scale, b_scale: float32 scalars (or one per batch element, shaped like the batch dims)
+            that dequantize the operands: ``a = a_scale * a_fp8``.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx import ffi
+        >>> a = jnp.ones((2, 16), jnp.float8_e4m3fn)
+        >>> ffi.fp8_matmul(a, a, 0.5, 2.0, jnp.float32).tolist()
+        [[16.0, 16.0], [16.0, 16.0]]
+    """
+    a_fp8, b_fp8 = jnp.asarray(a_fp8), jnp.asarray(b_fp8)
+    for name, x in (("a_fp8", a_fp8), ("b_fp8", b_fp8)):
+        if x.dtype not in _FP8_DTYPES:
+            raise TypeError(
+                f"fp8_matmul: {name} must be float8_e4m3fn or float8_e5m2, got {x.dtype}"
+            )
+        if x.ndim < 2:
+            raise ValueError(f"fp8_matmul: {name} must be [..., rows, K], got shape {x.shape}")
+    if a_fp8.dtype == b_fp8.dtype == jnp.float8_e5m2:
+        raise TypeError(
+            "fp8_matmul: float8_e5m2 x float8_e5m2 is not supported (cuBLASLt has no such FP8 "
+            "kernel); make one operand float8_e4m3fn"
+        )
+    if a_fp8.shape[-1] != b_fp8.shape[-1]:
+        raise ValueError(
+            f"fp8_matmul: contracting sizes differ: a {a_fp8.shape} vs b {b_fp8.shape} "
+            "(operands are [..., M, K] and [..., N, K])"
+        )
+    if a_fp8.shape[-1] % 16:
+        raise ValueError(f"fp8_matmul: K must be a multiple of 16, got {a_fp8.shape[-1]}")
+    batch = a_fp8.shape[:-2]
+    if b_fp8.shape[:-2] != batch:
+        raise ValueError(f"fp8_matmul: batch dimensions differ: a {batch} vs b {b_fp8.shape[:-2]}")
+    scales = []
+    for name, s in (("a_scale", a_scale), ("b_scale", b_scale)):
+        s = jnp.asarray(s)
+        if not jnp.issubdtype(s.dtype, jnp.floating):
+            raise TypeError(f"fp8_matmul: {name} must be a float scale, got {s.dtype}")
+        if s.shape not in ((), batch):
+            raise ValueError(
+                f"fp8_matmul: {name} must be a scalar or have the batch shape {batch}, got "
+                f"{s.shape}"
+            )
+        scales.append(jnp.broadcast_to(s.astype(jnp.float32), batch))
+    out_dtype = check_float_dtype(out_dtype, "fp8_matmul: out_dtype")
+    extension.register_targets()
+    return _fp8_call(out_dtype)(a_fp8, b_fp8, *scales)
+
+
+@functools.cache
+def _fp8_call(out_dtype):
+    def prepare(n_multiple, a_fp8, b_fp8, a_scale, b_scale):
+        b_fp8, _, n = _pad_rows(b_fp8, b_scale, n_multiple)
+        return (a_fp8, b_fp8, a_scale, b_scale), n
+
+    def impl(a_fp8, b_fp8, a_scale, b_scale):
+        return _custom_call(
+            FP8_TARGET, "fp8_matmul", out_dtype, prepare, a_fp8, b_fp8, a_scale, b_scale
+        )
+
+    return jax.jit(vmappable(impl, fold=(True, False, False, False)))
+
+
+# --- the custom call on each platform --------------------------------------------------------
+
+# (platform, workspace bytes, rows of the rhs padded to a multiple of)
+_PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES, _N_MULTIPLE))
+
+
+def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:
+    """``target`` on ``(a, b, a_scale, b_scale)``, lowered per platform.
+
+    ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
+    ``n_multiple``, and the number of output columns to keep. Platforms without a handler
+    (:func:`_handler_status`) get a branch that fails at lowering with the reason.
+    """
+
+    def branch(workspace: int, n_multiple: int):
+        def run(*args):
+            operands, n = prepare(n_multiple, *args)
+            out_shape = (*operands[0].shape[:-1], operands[1].shape[-2])
+            out, _ = jax.ffi.ffi_call(
+                target,
+                (
+                    jax.ShapeDtypeStruct(out_shape, out_dtype),
+                    jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+                ),
+            )(*operands)
+            # inside shard_map: varying like the operands (ffi_call results are not)
+            return vary_like(out[..., :n], *args)
+
+        return run
+
+    branches = {
+        platform: branch(workspace, n_multiple)
+        for platform, workspace, n_multiple in _PLATFORMS
+        if extension.handler_status(platform) == "available"
+    }
+
+    def unsupported(*args):
+        a, b = args[0], args[1]
+        out = _unsupported_p.bind(
+            *args,
+            shape=(*a.shape[:-1], b.shape[-2]),
+            dtype=out_dtype,
+            fn=fn,
+            handled=tuple(branches),
+        )
+        return vary_like(out, *args)
+
+    return lax.platform_dependent(*args, **branches, default=unsupported)
+
+
+# The default branch of the custom calls: lowering it (for a platform without a handler) raises.
+_unsupported_p = Primitive("jaxmx_ffi_unsupported_platform")
+_unsupported_p.def_abstract_eval(
+    lambda *args, shape, dtype, fn, handled: jax.core.ShapedArray(shape, dtype)
+)
+_unsupported_p.def_impl(
+    lambda *args, **params: jax.jit(functools.partial(_unsupported_p.bind, **params))(*args)
+)
+
+
+def _unsupported_lowering(ctx, *args, shape, dtype, fn, handled):
+    platforms = [p for p in ctx.module_context.platforms if p not in handled]
+    reasons = "; ".join(f"{p}: {extension.handler_status(p)}" for p in platforms)
+    raise RuntimeError(
+        f"jaxmx.ffi.{fn}: the native GEMM (backend='ffi') has no handler for platform "
+        f"{', '.join(repr(p) for p in platforms) or 'this platform'} ({reasons or 'unknown'}); "
+        "use backend='emulate' there"
+    )
+
+
+mlir.register_lowering(_unsupported_p, _unsupported_lowering)

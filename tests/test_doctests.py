@@ -30,7 +30,7 @@ def test_every_module_has_examples():
     finder = doctest.DocTestFinder()
     examples = {
         name: sum(len(t.examples) for t in finder.find(importlib.import_module(name)))
-        for name in MODULES + ["jaxmx"]
+        for name in [*MODULES, "jaxmx"]
         if not name.startswith("jaxmx.demo") and name not in WITHOUT_CODE
     }
     assert all(examples.values()), [name for name, n in examples.items() if not n]

@@ -20,8 +20,7 @@ import pytest
 import reference as ref
 
 import jaxmx
-from jaxmx import _ffi, ffi
-from jaxmx import MXArray
+from jaxmx import MXArray, _ffi, ffi
 
 E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
 FP8_DTYPE = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}

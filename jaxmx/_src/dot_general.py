@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src import keys
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.dtypes import check_float_dtype
+from jaxmx._src.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.formats import get_format
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray
@@ -85,9 +85,8 @@ def dot_general(
     """
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    for name, a in (("lhs", lhs), ("rhs", rhs)):
-        check_float_dtype(a.dtype, f"jaxmx.dot_general: {name}'s dtype")
+    lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
+    rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
     if recipe.grad_rounding == "nearest":
         key = None
     elif key is None:

@@ -24,3 +24,13 @@ def check_float_dtype(dtype, what: str) -> jnp.dtype:
     if dt not in FLOAT_DTYPES:
         raise TypeError(f"{what} must be float32, bfloat16 or float16, got {dtype!r}")
     return dt
+
+
+def as_float_array(x, what: str):
+    """``jnp.asarray(x)`` if it is a float32, bfloat16 or float16 array, else a TypeError."""
+    try:
+        array = jnp.asarray(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{what} must be an array, got {type(x).__name__}") from None
+    check_float_dtype(array.dtype, f"{what}'s dtype")
+    return array

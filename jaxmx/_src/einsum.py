@@ -12,9 +12,9 @@ from __future__ import annotations
 import string
 
 import jax
-import jax.numpy as jnp
 
 from jaxmx._src.dot_general import dot_general
+from jaxmx._src.dtypes import as_float_array
 from jaxmx._src.recipes import MXFP8, Recipe
 
 
@@ -35,7 +35,7 @@ def einsum(
     from the right, in every operand that has it (sizes must match: no size-1 broadcasting). An
     index repeated within one operand (a diagonal) is not supported.
     """
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = as_float_array(lhs, "jaxmx.einsum: lhs"), as_float_array(rhs, "jaxmx.einsum: rhs")
     lhs_idx, rhs_idx, out_idx = _parse(subscripts, lhs.ndim, rhs.ndim)
     lhs, lhs_idx = _sum_unshared(lhs, lhs_idx, rhs_idx + out_idx)
     rhs, rhs_idx = _sum_unshared(rhs, rhs_idx, lhs_idx + out_idx)

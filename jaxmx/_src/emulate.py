@@ -1,21 +1,20 @@
 """The emulated MX GEMM: decode both operands, then ``lax.dot_general`` with float32 accumulation.
 
 Every product of two MX elements (E4M3 / E5M2 / E2M1 code times a power of two) is exact in
-float32, so the emulation is the MX definition up to the order of the float32 summation. Two
-details keep it there at the edges of the float32 range:
-
-- A row (of either operand) whose largest scale would decode an element past float32's range
-  is decoded ``2^s`` lower (``s <= 16``) and its results are multiplied by ``2^s`` afterwards, so
-  a GEMM whose exact result is a finite float32 gives it even when an operand alone would not
-  fit (e.g. a block at ``2^128`` times one at ``2^-100``).
-- Codes in the padding of a K that is not a multiple of the block are ignored, whatever they
-  hold.
+float32, so the emulation is the MX definition up to the order of the float32 summation. To keep
+that true across the whole E8M0 range (``2^-127 .. 2^127``, beyond what float32 can hold once
+multiplied by an element), each row of each operand is decoded relative to its own largest scale
+``2^s`` (its values are then at most ``elem_max``) and the result is multiplied by
+``2^(s_a + s_b)`` at the end: exact powers of two, so results are unchanged wherever the plain
+decode was representable, and finite wherever the exact result is (e.g. a block at ``2^128``
+times one at ``2^-100``). What is left: a product of two blocks that lie, together, more than
+about ``2^100`` below their rows' largest blocks can round to zero, and on XLA:CPU (which flushes
+float32 subnormals) subnormal results become zero. The native GEMM keeps both. Codes in the
+padding of a K that is not a multiple of the block are ignored, whatever they hold.
 
 Operands are fed to the dot as bfloat16 on accelerators (exact: a code times a power of two has
 at most 4 significant bits, and bf16 x bf16 products are exact in float32) and as float32 on the
-CPU, decided per lowering platform. XLA:CPU flushes float32 subnormals, so there operands,
-products and partial sums below ``2^-126`` become zero (the native GEMM keeps them): that only
-touches blocks whose two scales multiply to less than about ``2^-110``.
+CPU, decided per lowering platform.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -60,7 +59,9 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
                 (((_k_axis(a),), (_k_axis(b),)), (batch, batch)),
                 preferred_element_type=jnp.float32,
             )
-            out = out * bits.pow2(a_shift[..., :, None] + b_shift[..., None, :])
+            shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
+            half = shift // 2  # two exact factors: each within float32's exponent range
+            out = out * bits.pow2(half) * bits.pow2(shift - half)
             return out.astype(out_dtype)
 
         return gemm
@@ -74,7 +75,8 @@ def _k_axis(q: MXArray) -> int:
 
 
 def _decode(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
-    """(values in ``dtype``, per-row shift s): ``q``'s values are ``values * 2^s``."""
+    """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
+    row's values decoded relative to its largest (finite) scale, so at most ``elem_max``."""
     f = q.format
     data, k = q.data, _k_axis(q)
     n_blocks = q.scale.shape[k]
@@ -82,20 +84,17 @@ def _decode(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
     values = decode_elements(data, f).reshape(blocked)
     byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
-    # Rows whose largest finite scale would decode elem_max past float32's range decode lower.
-    headroom = 127 - (f.emax + 1)  # elem_max * 2^headroom < 2^128
-    finite = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
-    row_max = jnp.max(finite, axis=(k, k + 1), keepdims=True)  # over K, per row
-    shift = jnp.maximum(row_max - headroom, 0)
-    exponent = finite - shift
-    # 2^exponent in two exact factors, so exponents below -126 give subnormals (not zero)
-    scaled = values * bits.pow2(jnp.maximum(exponent, -126))
-    scaled = scaled * bits.pow2(jnp.minimum(exponent + 126, 0))
+    exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
+    row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True)  # over K, per row
+    relative = exponent - row_max  # <= 0
+    # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
+    scaled = values * bits.pow2(jnp.maximum(relative, -126))
+    scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
     scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
     if q.shape[q.axis] != data.shape[k]:  # zero the padding codes along K, whatever they hold
         index = lax.broadcasted_iota(jnp.int32, blocked, k) * f.block + lax.broadcasted_iota(
             jnp.int32, blocked, k + 1
         )
         scaled = jnp.where(index < q.shape[q.axis], scaled, 0)
-    shift = jnp.squeeze(shift, (k, k + 1))
-    return scaled.reshape(data.shape).astype(dtype), shift
+    row_max = jnp.squeeze(row_max, (k, k + 1))
+    return scaled.reshape(data.shape).astype(dtype), row_max

@@ -1,0 +1,87 @@
+"""Backend selection: "auto" is resolved per lowering platform, never from the host's default."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmx
+from jaxmx._src import backends
+
+TN = (((1,), (1,)), ((), ()))
+
+
+@pytest.fixture
+def capable_gpu(monkeypatch):
+    """A host whose CUDA device runs cuBLASLt MX GEMMs (the report says so)."""
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
+
+
+def lowered(f, platforms, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=platforms).as_text()
+
+
+def test_explicit_backends_run_everywhere():
+    assert backends.per_platform("emulate", ("mxfp4",)) == {"default": "emulate"}
+    assert backends.per_platform("ffi", ("mxfp8_e4m3",)) == {"default": "ffi"}
+
+
+def test_auto_uses_the_native_gemm_on_cuda_only(capable_gpu):
+    assert backends.per_platform("auto", ("mxfp8_e4m3", "mxfp8_e5m2")) == {
+        "default": "emulate",
+        "cuda": "ffi",
+    }
+
+
+def test_auto_never_sends_formats_without_a_native_gemm_to_it(capable_gpu):
+    assert backends.per_platform("auto", ("mxfp8_e4m3", "mxfp4")) == {"default": "emulate"}
+
+
+def test_auto_emulates_where_no_device_runs_the_native_gemm(monkeypatch):
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
+    assert backends.per_platform("auto", ("mxfp8_e4m3",)) == {"default": "emulate"}
+
+
+def test_unknown_backends_are_refused():
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        backends.per_platform("cuda", ())
+    with pytest.raises(ValueError, match="unknown backend"):
+        jaxmx.Recipe(backend="cublas")
+
+
+@pytest.mark.skipif(
+    not jaxmx.ffi.backends()["cublaslt"].startswith(("available", "no CUDA GPU")),
+    reason="this build has no cuBLASLt handler to lower for CUDA",
+)
+def test_a_cpu_lowering_on_a_gpu_host_gets_the_emulation(capable_gpu):
+    x, w = jnp.ones((8, 64)), jnp.ones((16, 64))
+
+    def f(x, w):
+        return jaxmx.dot_general(x, w, TN)
+
+    cpu, cuda, both = (lowered(f, p, x, w) for p in (("cpu",), ("cuda",), ("cpu", "cuda")))
+    assert "jaxmx_mx_matmul" not in cpu and "stablehlo.dot_general" in cpu
+    assert "jaxmx_mx_matmul" in cuda and "stablehlo.dot_general" not in cuda
+    assert "jaxmx_mx_matmul" in both and "stablehlo.dot_general" in both
+
+
+def test_emulation_feeds_bfloat16_on_accelerators_and_float32_on_the_cpu():
+    a = jaxmx.quantize(jnp.ones((8, 64)))
+
+    def f(a):
+        return jaxmx.matmul(a, a, jnp.float32, backend="emulate")
+
+    cpu, gpu = lowered(f, ("cpu",), a), lowered(f, ("cuda",), a)
+    dot = [line for line in cpu.splitlines() if "stablehlo.dot_general" in line]
+    assert dot and all("xf32>" in line and "bf16" not in line for line in dot), dot
+    dot = [line for line in gpu.splitlines() if "stablehlo.dot_general" in line]
+    assert dot and all("xbf16>, tensor" in line for line in dot), dot
+
+
+def test_the_availability_report_names_every_backend():
+    report = jaxmx.backends()
+    assert set(report) == {"emulate", "ffi-cpu", "cublaslt"}
+    assert report["emulate"] == "available"
+    assert report["ffi-cpu"] == "available"  # the CPU handler is always built
+    has_gpu = bool([d for d in jax.devices() if d.platform == "gpu"])
+    if not has_gpu:
+        assert report["cublaslt"] != "available"

@@ -1,0 +1,104 @@
+"""MXArray checks itself: a hand-built one with inconsistent fields raises on first use."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxmx
+
+BACKENDS = ("emulate", "ffi")
+
+
+def good():
+    return jaxmx.quantize(jnp.ones((8, 64)))
+
+
+def consumers(backend):
+    """Every API that takes an MXArray, as one-argument functions."""
+    other = good()
+    return [
+        lambda q: jaxmx.dequantize(q),
+        lambda q: jaxmx.matmul(q, other, jnp.float32, backend=backend),
+        lambda q: jaxmx.matmul(other, q, jnp.float32, backend=backend),
+    ]
+
+
+BROKEN = {
+    "scales of the wrong shape": (ValueError, lambda q: dataclasses.replace(q, scale=q.scale[:, :1])),  # noqa: E501
+    "codes of the wrong shape": (ValueError, lambda q: dataclasses.replace(q, data=q.data[:, :32])),
+    "an axis that does not match": (ValueError, lambda q: dataclasses.replace(q, axis=0)),
+    "an axis out of range": (ValueError, lambda q: dataclasses.replace(q, axis=2)),
+    "a logical shape that disagrees": (ValueError, lambda q: dataclasses.replace(q, shape=(8, 96))),
+    "a logical shape of another rank": (ValueError, lambda q: dataclasses.replace(q, shape=(64,))),
+    "an unknown format": (ValueError, lambda q: dataclasses.replace(q, fmt="mxfp6")),
+    "codes of another format": (TypeError, lambda q: dataclasses.replace(q, fmt="mxfp8_e5m2")),
+    "scales that are not E8M0": (
+        TypeError,
+        lambda q: dataclasses.replace(q, scale=q.scale.view(jnp.uint8).astype(jnp.float32)),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("what", sorted(BROKEN))
+def test_inconsistent_mxarrays_raise_on_every_consumer(backend, what):
+    error, breaks = BROKEN[what]
+    q = breaks(good())
+    for consume in consumers(backend):
+        with pytest.raises(error, match=r"MXArray|format"):
+            consume(q)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_codes_in_the_padding_are_ignored(backend):
+    """K = 40 is padded to 64: whatever a hand-built array holds there, the result is the same."""
+    rng = np.random.default_rng(0)
+    a = jaxmx.quantize(jnp.asarray(rng.standard_normal((8, 40)), jnp.float32))
+    b = jaxmx.quantize(jnp.asarray(rng.standard_normal((16, 40)), jnp.float32))
+    garbage = a.data.view(jnp.uint8).at[:, 40:].set(0x38).view(a.data.dtype)  # 1.0 codes
+    dirty = dataclasses.replace(a, data=garbage)
+    clean = jaxmx.matmul(a, b, jnp.float32, backend=backend)
+    np.testing.assert_array_equal(jaxmx.matmul(dirty, b, jnp.float32, backend=backend), clean)
+    np.testing.assert_array_equal(jaxmx.dequantize(dirty), jaxmx.dequantize(a))
+    want = np.asarray(jaxmx.dequantize(a), np.float64) @ np.asarray(jaxmx.dequantize(b)).T
+    np.testing.assert_allclose(clean, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_leaves_are_accepted(backend):
+    q = good()
+    as_numpy = jax.tree.map(np.asarray, q)
+    assert isinstance(as_numpy.data, np.ndarray)
+    np.testing.assert_array_equal(
+        jaxmx.matmul(as_numpy, as_numpy, jnp.float32, backend=backend),
+        jaxmx.matmul(q, q, jnp.float32, backend=backend),
+    )
+    np.testing.assert_array_equal(jaxmx.dequantize(as_numpy), jaxmx.dequantize(q))
+
+
+def test_vmapped_arrays_with_leading_dims_are_accepted():
+    xs = jnp.arange(3 * 4 * 32, dtype=jnp.float32).reshape(3, 4, 32)
+    q = jax.vmap(jaxmx.quantize)(xs)  # leaves [3, ...], shape (4, 32)
+    assert q.data.shape == (3, 4, 32) and q.shape == (4, 32)
+    np.testing.assert_array_equal(jaxmx.dequantize(q), jax.vmap(jaxmx.dequantize)(q))
+
+
+def test_a_custom_format_object_is_refused_by_quantize_and_dequantize():
+    fake = dataclasses.replace(jaxmx.FORMATS["mxfp8_e4m3"], elem_max=240.0)
+    with pytest.raises(ValueError, match="custom formats are not supported"):
+        jaxmx.quantize(jnp.ones(32), fake)
+    # the real Format object is fine, and a name is fine
+    q = jaxmx.quantize(jnp.ones(32), jaxmx.FORMATS["mxfp8_e4m3"])
+    assert q.fmt == "mxfp8_e4m3"
+
+
+def test_dequantize_refuses_output_dtypes_that_cannot_hold_nan():
+    q = jaxmx.quantize(jnp.array([np.nan] + [1.0] * 31))
+    for dtype in (jnp.int8, jnp.bool_, jnp.float8_e4m3fn, ml_dtypes.float8_e5m2):
+        with pytest.raises(TypeError, match="dequantize: dtype"):
+            jaxmx.dequantize(q, dtype)
+    assert np.isnan(np.asarray(jaxmx.dequantize(q, jnp.bfloat16), np.float32)[0])

@@ -21,6 +21,7 @@ import reference as ref
 
 import jaxmx
 from jaxmx import MXArray, _ffi, ffi
+from jaxmx._src import extension
 
 E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
 FP8_DTYPE = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
@@ -356,30 +357,19 @@ def test_cpp_side_errors():
 # --- backends and the build ---------------------------------------------------------------------
 
 
-def test_backends_report():
-    report = ffi.backends()
-    assert set(report) == {"emulate", "ffi-cpu", "cublaslt"}
-    assert report["emulate"] == "available"
-    assert report["ffi-cpu"] == "available"
-    assert isinstance(report["cublaslt"], str) and report["cublaslt"]
-    assert ffi.cublaslt_supported() == (report["cublaslt"] == "available")
-    if not any(d.platform in ("gpu", "cuda") for d in jax.devices()):
-        assert report["cublaslt"] != "available"
-
-
 @pytest.fixture
 def no_handler(monkeypatch):
-    """``jaxmx.ffi`` told that some platforms have no handler, with a recognisable reason.
+    """The native GEMM told that some platforms have no handler, with a recognisable reason.
 
     Shapes used under it are not used elsewhere, and the caches are cleared after it, so no
     trace made without the handler is reused.
     """
 
     def patch(*platforms):
-        real = ffi._handler_status
+        real = extension.handler_status
         monkeypatch.setattr(
-            ffi,
-            "_handler_status",
+            extension,
+            "handler_status",
             lambda p: f"no handler here ({p}, test)" if p in platforms else real(p),
         )
 
@@ -475,7 +465,3 @@ def test_cuda_libraries_resolve_when_installed():
     assert info["loaded"], info["error"]
     assert info["cublaslt_version"] >= 120800
     assert info["cudart_version"] > 0
-
-
-if __name__ == "__main__":  # for Bazel's py_test (BUILD.bazel) and plain `python tests/test_ffi.py`
-    raise SystemExit(pytest.main([__file__, "-q"]))

@@ -394,7 +394,8 @@ def test_vmap_over_sharded_experts():
         else:  # XLA partitions the emulation: blocks are gathered, never split
             ref = reference(("vmap-narrow", backend), step, x, narrow, c)
             got = jax.jit(step, in_shardings=specs)(x, narrow, c)
-            compare(("loss", "y", "dx", "dw"), got, ref, sum_abs={"loss": loss_scale(ref[0][1], c)})
+            sum_abs = {"loss": loss_scale(ref[0][1], c[..., :64])}
+            compare(("loss", "y", "dx", "dw"), got, ref, sum_abs=sum_abs)
 
 
 def test_shard_map_data_parallel():
@@ -461,20 +462,29 @@ def test_misaligned_shards_raise_block_sharding_error_under_jit(backend, axis):
         assert part in str(caught.value)
 
 
+def test_quantize_refuses_to_split_a_block_across_devices():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    _, (x, _) = misaligned_layouts(mesh)["K"]
+    with pytest.raises(BlockShardingError, match="jaxmx.quantize: x axis 1 .* 4 shards of 16"):
+        jax.jit(jaxmx.quantize)(x)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_mx_gemm_apis_check_k_themselves(backend):
+    """MX operands whose codes arrive with K split mid-block (16 per device)."""
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    _, args = misaligned_layouts(mesh)["K"]
+    q = jaxmx.quantize(jnp.ones((64, 64)))
+    split = jax.device_put(q.data, NamedSharding(mesh, P(None, "model")))
+    a = jaxmx.MXArray(split, q.scale, q.fmt, q.axis, q.shape)
 
-    def direct(x, w):
-        a, b = jaxmx.quantize(x), jaxmx.quantize(w)
+    def direct(a, b):
         if backend == "ffi":
             return ffi.mx_matmul(a, b, jnp.float32)
         return jaxmx.matmul(a, b, jnp.float32, backend)
 
-    where = "jaxmx.ffi.mx_matmul: a" if backend == "ffi" else "jaxmx.matmul: a"
-    with pytest.raises(BlockShardingError, match=f"{where} axis K"):
-        jax.jit(direct)(*args)
+    where = "jaxmx.ffi.mx_matmul" if backend == "ffi" else "jaxmx.matmul"
+    with pytest.raises(BlockShardingError, match=f"{where}: a axis K"):
+        jax.jit(direct)(a, q)
 
 
 @pytest.mark.parametrize("axis", ["K", "M", "N"])
@@ -557,3 +567,30 @@ def test_docs_distributed_example():
     args = (scope["params"], scope["opt_state"], scope["x"], scope["y"])
     colls = collectives(scope["train_step"].lower(*args).compile().as_text())
     assert "all-gather" not in colls and "all-reduce" in colls, colls
+
+
+# --- export ----------------------------------------------------------------------------------
+
+
+def test_a_sharded_training_step_round_trips_through_jax_export():
+    """The MLP training step, data parallel on 8 devices with the default recipe, serialized
+    with jax.export and deserialized, gives the same result (no host callbacks, no custom
+    partitioning in the emulated path)."""
+    mesh = make_mesh((8,), ("data",))
+    sh = lambda *s: NamedSharding(mesh, P(*s))
+    in_shardings = (sh("data"), sh(), sh(), sh("data"))
+    step = jax.jit(mlp_step("auto"), in_shardings=in_shardings)
+    args = mlp_inputs()
+    exported = jax.export.export(step)(*args)
+    assert exported.nr_devices == 8
+    restored = jax.export.deserialize(exported.serialize())
+    want = step(*args)
+    got = jax.jit(restored.call, in_shardings=in_shardings)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    compare(
+        ("loss", "y", "dx", "dw1", "dw2"),
+        got,
+        reference(("mlp", "emulate"), mlp_step("emulate"), *args),
+        sum_abs={"loss": loss_scale(want[0][1], args[3])},
+    )

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src import sharding_impls  # decodes the shardings the rule receives
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -104,6 +105,10 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int)
         infer_sharding_from_operands=infer,
         sharding_rule=_RULE,
         reduction_factors=("k", "kb"),
+        # Shardings reach the rule undecoded: a scale tensor split into mesh sub-axes (K/32 not
+        # divisible by the shard count, i.e. a misaligned K) cannot become a NamedSharding, and
+        # the rule reports that misalignment itself.
+        decode_shardings=False,
     )
     return gemm
 
@@ -126,7 +131,7 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
     """
     a, b = arg_shapes[0], arg_shapes[1]
     nb = len(a.shape) - 2
-    a_spec, b_spec = _spec_of(a), _spec_of(b)
+    a_spec, b_spec = _spec_of(a, mesh, where, block), _spec_of(b, mesh, where, block)
     used: set[str] = set()
 
     def take(*entries):
@@ -151,7 +156,7 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
 
     # A result wanted sharded along K's mesh axes (e.g. sequence parallelism after a
     # row-parallel layer): reduce-scatter into that dim instead of all-reduce then slice.
-    want = _spec_of(result_shape)
+    want = _spec_of(result_shape, mesh, where, block)
     out_dims = [*batch, m, n]
     scatter, scattered = [], set()
     for d in (nb, nb + 1):
@@ -176,10 +181,22 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
     )
 
 
-def _spec_of(shape) -> tuple:
+def _spec_of(shape, mesh, where: str, block: int) -> tuple:
+    """The ``PartitionSpec`` entries of an argument's (undecoded) sharding, one per dimension."""
     sharding = getattr(shape, "sharding", None)
     ndim = len(shape.shape)
-    if not isinstance(sharding, NamedSharding):
-        return (None,) * ndim
-    spec = tuple(sharding.spec)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+    elif sharding is None:
+        spec = ()
+    else:
+        try:
+            spec = tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
+        except Exception:  # split over mesh sub-axes: a dimension not divisible by its shards
+            raise BlockShardingError(
+                f"{where}: an operand of shape {tuple(shape.shape)} is sharded into pieces that "
+                f"do not divide its dimensions ({sharding}); a sharded K must hold whole "
+                f"{block}-element blocks per device. Make K a multiple of {block} x the number "
+                "of shards, or leave it unsharded."
+            ) from None
     return spec + (None,) * (ndim - len(spec))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src import bits
+from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
 from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, swap_last_axes
@@ -61,6 +62,7 @@ def quantize(
     x = jnp.asarray(x)
     _check_input(x)
     axis = _normalize_axis(axis, x.ndim)
+    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
     if key is not None:
         key = _check_key(key)
     xb = _blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32

@@ -6,8 +6,9 @@
 // significant bits and spans 2^-18..2^17.6, so 32 of them fit in 53 bits); otherwise (E5M2
 // products span about 64 bits) within float64 rounding of the block sum. The block sum is scaled
 // by 2^(sa + sb - 254) exactly, then rounded once to float32 per block and accumulated over K in
-// float32, block after block: the float32 accumulation of the GPU, with exact products. NaN scales (0xFF) and NaN codes propagate. The handler runs with
-// IEEE subnormals (it clears the flush-to-zero bits XLA's CPU threads may set, and restores them).
+// float32, block after block: the float32 accumulation of the GPU, with exact products. NaN scales
+// (0xFF) and NaN codes propagate. The handler runs with IEEE subnormals (it clears the
+// flush-to-zero bits XLA's CPU threads may set, and restores them).
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -231,18 +232,18 @@ void UnswizzleScales(const uint8_t* buf, int64_t rows, int64_t cols, uint8_t* ou
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCpu, jaxmx::MxMatmulCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scales, swizzled u8
-                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scales, swizzled u8
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Arg<xla::ffi::AnyBuffer>()    // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()    // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()    // lhs scales, swizzled u8
+                                  .Arg<xla::ffi::AnyBuffer>()    // rhs scales, swizzled u8
+                                  .Ret<xla::ffi::AnyBuffer>()    // out [..., M, N]
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCpu, jaxmx::Fp8MatmulCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scale f32 [...]
-                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scale f32 [...]
-                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Arg<xla::ffi::AnyBuffer>()    // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()    // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()    // lhs scale f32 [...]
+                                  .Arg<xla::ffi::AnyBuffer>()    // rhs scale f32 [...]
+                                  .Ret<xla::ffi::AnyBuffer>()    // out [..., M, N]
                                   .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)

@@ -46,19 +46,19 @@ namespace {
   X(cudaDeviceGetAttribute)       \
   X(cudaMemsetAsync)
 
-#define JAXMX_CUBLASLT_FUNCTIONS(X)      \
-  X(cublasLtGetVersion)                  \
-  X(cublasLtGetStatusString)             \
-  X(cublasLtCreate)                      \
-  X(cublasLtMatmulDescCreate)            \
-  X(cublasLtMatmulDescDestroy)           \
-  X(cublasLtMatmulDescSetAttribute)      \
-  X(cublasLtMatrixLayoutCreate)          \
-  X(cublasLtMatrixLayoutDestroy)         \
-  X(cublasLtMatmulPreferenceCreate)      \
-  X(cublasLtMatmulPreferenceDestroy)     \
+#define JAXMX_CUBLASLT_FUNCTIONS(X)       \
+  X(cublasLtGetVersion)                   \
+  X(cublasLtGetStatusString)              \
+  X(cublasLtCreate)                       \
+  X(cublasLtMatmulDescCreate)             \
+  X(cublasLtMatmulDescDestroy)            \
+  X(cublasLtMatmulDescSetAttribute)       \
+  X(cublasLtMatrixLayoutCreate)           \
+  X(cublasLtMatrixLayoutDestroy)          \
+  X(cublasLtMatmulPreferenceCreate)       \
+  X(cublasLtMatmulPreferenceDestroy)      \
   X(cublasLtMatmulPreferenceSetAttribute) \
-  X(cublasLtMatmulAlgoGetHeuristic)      \
+  X(cublasLtMatmulAlgoGetHeuristic)       \
   X(cublasLtMatmul)
 
 struct Api {
@@ -120,12 +120,13 @@ const Api& GetApi() {
     if (rt == nullptr || lt == nullptr) {
       a->info.error = "could not load " + std::string(rt == nullptr ? cudart_so : cublaslt_so) +
                       " (set JAXMX_CUDART_LIBRARY / JAXMX_CUBLASLT_LIBRARY to its path, or "
-                      "pip install nvidia-cuda-runtime nvidia-cublas); tried:" + errors;
+                      "pip install nvidia-cuda-runtime nvidia-cublas); tried:" +
+                      errors;
       return a;
     }
     std::string missing;
-#define JAXMX_RESOLVE(lib, name)                                                 \
-  a->name = reinterpret_cast<decltype(a->name)>(dlsym(lib, JAXMX_STR(name)));   \
+#define JAXMX_RESOLVE(lib, name)                                              \
+  a->name = reinterpret_cast<decltype(a->name)>(dlsym(lib, JAXMX_STR(name))); \
   if (a->name == nullptr) missing += std::string(" ") + JAXMX_STR(name);
 #define JAXMX_RESOLVE_RT(name) JAXMX_RESOLVE(rt, name)
 #define JAXMX_RESOLVE_LT(name) JAXMX_RESOLVE(lt, name)
@@ -135,8 +136,8 @@ const Api& GetApi() {
 #undef JAXMX_RESOLVE_LT
 #undef JAXMX_RESOLVE
     if (!missing.empty()) {
-      a->info.error = "symbols missing from " + a->info.cudart + " / " + a->info.cublaslt + ":" +
-                      missing;
+      a->info.error =
+          "symbols missing from " + a->info.cudart + " / " + a->info.cublaslt + ":" + missing;
       return a;
     }
     a->info.cublaslt_version = static_cast<int>(a->cublasLtGetVersion());
@@ -210,11 +211,16 @@ DeviceState InitDevice(const Api& api, int device) {
 
 cudaDataType_t CudaType(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
-    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
-    case ffi::DataType::BF16: return CUDA_R_16BF;
-    case ffi::DataType::F16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
+    case ffi::DataType::F8E4M3FN:
+      return CUDA_R_8F_E4M3;
+    case ffi::DataType::F8E5M2:
+      return CUDA_R_8F_E5M2;
+    case ffi::DataType::BF16:
+      return CUDA_R_16BF;
+    case ffi::DataType::F16:
+      return CUDA_R_16F;
+    default:
+      return CUDA_R_32F;
   }
 }
 
@@ -247,8 +253,7 @@ std::unique_ptr<Plan> MakePlan(const Api& api, const DeviceState& dev, const Pla
     auto set_pair = [&](cublasLtMatmulDescAttributes_t attr_a, const void* value_a,
                         cublasLtMatmulDescAttributes_t attr_b, const void* value_b, size_t size,
                         const char* what_a, const char* what_b) {
-      return check(api.cublasLtMatmulDescSetAttribute(plan->desc, attr_a, value_a, size),
-                   what_a) &&
+      return check(api.cublasLtMatmulDescSetAttribute(plan->desc, attr_a, value_a, size), what_a) &&
              check(api.cublasLtMatmulDescSetAttribute(plan->desc, attr_b, value_b, size), what_b);
     };
     const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
@@ -327,9 +332,9 @@ std::string Version(int v, int major_div) {  // 130100 -> "13.1" (div 10000); 13
 }
 
 ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int32_t device,
-                    ffi::AnyBuffer lhs,
-                    ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+                    ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                    ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> workspace) {
   auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
@@ -371,8 +376,9 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
                             "; cuBLASLt FP8 matmul needs compute capability >= 8.9");
     if (p.lhs_type == ffi::DataType::F8E5M2 && p.rhs_type == ffi::DataType::F8E5M2)
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        name() + ": cuBLASLt has no float8_e5m2 x float8_e5m2 matmul; make one "
-                               "operand float8_e4m3fn");
+                        name() +
+                            ": cuBLASLt has no float8_e5m2 x float8_e5m2 matmul; make one "
+                            "operand float8_e4m3fn");
     if (p.k % 16 != 0)
       return ffi::Error::InvalidArgument(
           name() + ": cuBLASLt FP8 matmul needs K % 16 == 0, got K = " + std::to_string(p.k));
@@ -384,8 +390,8 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
     e = api.cudaMemsetAsync(out->untyped_data(), 0, static_cast<size_t>(out_bytes * p.batch),
                             stream);
     if (e != cudaSuccess)
-      return ffi::Error::Internal(name() + ": cudaMemsetAsync failed: " +
-                                  api.cudaGetErrorString(e));
+      return ffi::Error::Internal(name() +
+                                  ": cudaMemsetAsync failed: " + api.cudaGetErrorString(e));
     return ffi::Error::Success();
   }
 
@@ -446,8 +452,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
 }
 
 ffi::Error MxMatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                            ffi::AnyBuffer rhs,
-                            ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                            ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace) {
   return GemmCuda("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, stream, device, lhs, rhs, lhs_scale,
@@ -455,8 +460,7 @@ ffi::Error MxMatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
 }
 
 ffi::Error Fp8MatmulCudaImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                             ffi::AnyBuffer rhs,
-                             ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                             ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer> workspace) {
   return GemmCuda("jaxmx_fp8_matmul", ScaleKind::kTensorF32, stream, device, lhs, rhs, lhs_scale,
@@ -469,16 +473,16 @@ CudaLibraryInfo LoadCudaLibraries() { return GetApi().info; }
 
 }  // namespace jaxmx
 
-#define JAXMX_CUDA_BINDING                                             \
-  xla::ffi::Ffi::Bind()                                                \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                   \
-      .Ctx<xla::ffi::DeviceOrdinal>() /* XLA's CUDA device ordinal */  \
-      .Arg<xla::ffi::AnyBuffer>()   /* lhs [..., M, K] fp8 */          \
-      .Arg<xla::ffi::AnyBuffer>()   /* rhs [..., N, K] fp8 */          \
-      .Arg<xla::ffi::AnyBuffer>()   /* lhs scales */                   \
-      .Arg<xla::ffi::AnyBuffer>()   /* rhs scales */                   \
-      .Ret<xla::ffi::AnyBuffer>()   /* out [..., M, N] */              \
-      .Ret<xla::ffi::AnyBuffer>()   /* cuBLASLt workspace (u8) */
+#define JAXMX_CUDA_BINDING                                            \
+  xla::ffi::Ffi::Bind()                                               \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                  \
+      .Ctx<xla::ffi::DeviceOrdinal>() /* XLA's CUDA device ordinal */ \
+      .Arg<xla::ffi::AnyBuffer>()     /* lhs [..., M, K] fp8 */       \
+      .Arg<xla::ffi::AnyBuffer>()     /* rhs [..., N, K] fp8 */       \
+      .Arg<xla::ffi::AnyBuffer>()     /* lhs scales */                \
+      .Arg<xla::ffi::AnyBuffer>()     /* rhs scales */                \
+      .Ret<xla::ffi::AnyBuffer>()     /* out [..., M, N] */           \
+      .Ret<xla::ffi::AnyBuffer>()     /* cuBLASLt workspace (u8) */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCuda, jaxmx::MxMatmulCudaImpl, JAXMX_CUDA_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -26,9 +26,9 @@ void UnswizzleScales(const uint8_t* buf, int64_t rows, int64_t cols, uint8_t* ou
 // The CUDA libraries the handler loads at run time (dlopen), without needing a GPU.
 struct CudaLibraryInfo {
   bool loaded = false;
-  std::string error;        // why loading failed
-  std::string cublaslt;     // path of the loaded libcublasLt
-  std::string cudart;       // path of the loaded libcudart
+  std::string error;         // why loading failed
+  std::string cublaslt;      // path of the loaded libcublasLt
+  std::string cudart;        // path of the loaded libcudart
   int cublaslt_version = 0;  // cublasLtGetVersion(), e.g. 130100
   int cudart_version = 0;    // cudaRuntimeGetVersion(), e.g. 13000
 };

@@ -7,27 +7,48 @@ namespace jaxmx {
 
 const char* DataTypeName(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S16: return "int16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U16: return "uint16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U64: return "uint64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F8E5M2: return "float8_e5m2";
-    case ffi::DataType::F8E4M3: return "float8_e4m3";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
-    case ffi::DataType::F8E5M2FNUZ: return "float8_e5m2fnuz";
-    case ffi::DataType::F4E2M1FN: return "float4_e2m1fn";
-    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
-    default: return "an unsupported element type";
+    case ffi::DataType::PRED:
+      return "bool";
+    case ffi::DataType::S8:
+      return "int8";
+    case ffi::DataType::S16:
+      return "int16";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::U8:
+      return "uint8";
+    case ffi::DataType::U16:
+      return "uint16";
+    case ffi::DataType::U32:
+      return "uint32";
+    case ffi::DataType::U64:
+      return "uint64";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F8E5M2:
+      return "float8_e5m2";
+    case ffi::DataType::F8E4M3:
+      return "float8_e4m3";
+    case ffi::DataType::F8E4M3FN:
+      return "float8_e4m3fn";
+    case ffi::DataType::F8E4M3FNUZ:
+      return "float8_e4m3fnuz";
+    case ffi::DataType::F8E5M2FNUZ:
+      return "float8_e5m2fnuz";
+    case ffi::DataType::F4E2M1FN:
+      return "float4_e2m1fn";
+    case ffi::DataType::F8E8M0FNU:
+      return "float8_e8m0fnu";
+    default:
+      return "an unsupported element type";
   }
 }
 
@@ -68,23 +89,22 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
 
   const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
   const size_t rank = ld.size();
-  if (rank < 2)
-    return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
+  if (rank < 2) return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
   if (rd.size() != rank || od.size() != rank)
     return Invalid(target, "lhs " + Shape(lhs) + ", rhs " + Shape(rhs) + " and output " +
                                Shape(out) + " must have the same rank");
   for (size_t i = 0; i + 2 < rank; ++i) {
     if (rd[i] != ld[i] || od[i] != ld[i])
-      return Invalid(target, "batch dimensions differ: lhs " + Shape(lhs) + ", rhs " +
-                                 Shape(rhs) + ", output " + Shape(out));
+      return Invalid(target, "batch dimensions differ: lhs " + Shape(lhs) + ", rhs " + Shape(rhs) +
+                                 ", output " + Shape(out));
     p.batch *= ld[i];
   }
   p.m = ld[rank - 2];
   p.k = ld[rank - 1];
   p.n = rd[rank - 2];
   if (rd[rank - 1] != p.k)
-    return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " +
-                               Shape(rhs) + " (operands are [M, K] and [N, K])");
+    return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " + Shape(rhs) +
+                               " (operands are [M, K] and [N, K])");
   if (od[rank - 2] != p.m || od[rank - 1] != p.n)
     return Invalid(target, "the output must have shape [..., " + std::to_string(p.m) + ", " +
                                std::to_string(p.n) + "], got " + Shape(out));

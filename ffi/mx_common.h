@@ -15,7 +15,7 @@ namespace jaxmx {
 
 namespace ffi = xla::ffi;
 
-inline constexpr int64_t kBlock = 32;    // elements per E8M0 scale (MXFP8)
+inline constexpr int64_t kBlock = 32;     // elements per E8M0 scale (MXFP8)
 inline constexpr int64_t kRowTile = 128;  // scale tile: 128 rows ...
 inline constexpr int64_t kColTile = 4;    // ... by 4 K-blocks, 512 bytes
 
@@ -93,7 +93,7 @@ inline uint16_t FloatToF16(float f) {
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a >= 0x7F800000u) return sign | (a > 0x7F800000u ? 0x7E00 : 0x7C00);  // NaN / inf
   if (a >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds to infinity
-  if (a >= 0x38800000u) {                     // normal half: rebias and round at bit 13
+  if (a >= 0x38800000u) {                      // normal half: rebias and round at bit 13
     const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23);
     return sign | static_cast<uint16_t>(r >> 13);
   }

@@ -11,7 +11,7 @@ Example:
     64.0
 """
 
-from jaxmx import recipes
+from jaxmx import ffi, recipes
 from jaxmx._src.alignment import BlockShardingError
 from jaxmx._src.backends import BACKENDS, backends
 from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
@@ -42,6 +42,7 @@ __all__ = [
     "dequantize",
     "dot_general",
     "einsum",
+    "ffi",
     "matmul",
     "quantize",
     "quantize_rowwise_colwise",

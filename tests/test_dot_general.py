@@ -480,5 +480,5 @@ def test_stochastic_rounding_block_supplies_a_key_per_gemm():
         return jax.grad(loss)(x)
 
     np.testing.assert_array_equal(step(k0), jax.jit(explicit)(k0))
-    with pytest.raises(ValueError, match="stochastic_rounding"):
-        jaxmx.dot_general(x, w1, TN, recipe=recipe)
+    with pytest.raises(ValueError, match="stochastic_rounding"):  # a gradient outside a block
+        jax.grad(lambda x: jaxmx.dot_general(x, w1, TN, recipe=recipe).sum())(x)

@@ -277,7 +277,7 @@ def test_cpp_unswizzle_rejects_wrong_size():
 
 def test_python_side_errors():
     a = quantize(jnp.ones((4, 64)))
-    with pytest.raises(TypeError, match="must be an MXArray"):
+    with pytest.raises(TypeError, match="expected an MXArray"):
         ffi.mx_matmul(jnp.ones((4, 64)), a)
     with pytest.raises(NotImplementedError, match=r"mxfp4.*not support"):
         ffi.mx_matmul(quantize(jnp.ones((4, 64)), "mxfp4"), a)
@@ -290,10 +290,10 @@ def test_python_side_errors():
     with pytest.raises(TypeError, match="out_dtype"):
         ffi.mx_matmul(a, a, jnp.int32)
     odd = MXArray(jnp.zeros((4, 40), jnp.float8_e4m3fn), a.scale, E4M3, 1, (4, 40))
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match=r"holds codes of shape \(4, 64\)"):  # K padded to 64
         ffi.mx_matmul(odd, odd)
     wrong = MXArray(a.data.astype(jnp.float8_e5m2), a.scale, E4M3, 1, (4, 64))
-    with pytest.raises(TypeError, match="must hold float8_e4m3fn data"):
+    with pytest.raises(TypeError, match="holds float8_e4m3fn codes, got float8_e5m2"):
         ffi.mx_matmul(wrong, a)
     x8 = jnp.ones((4, 32), jnp.float8_e4m3fn)
     with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
@@ -401,6 +401,8 @@ def test_lowering_for_a_platform_without_handler(no_handler):
     with pytest.raises(RuntimeError, match="handlers for CPU and CUDA only, not tpu"):
         f.trace(a, b).lower(lowering_platforms=("tpu",))
     no_handler("cuda")
+    a = random_mx(jax.random.key(0), (11, 96), E4M3)  # shapes not traced before the patch
+    b = random_mx(jax.random.key(1), (13, 96), E4M3)
     traced = jax.jit(lambda a, b: ffi.mx_matmul(a, b)).trace(a, b)
     assert "jaxmx_mx_matmul" in traced.lower(lowering_platforms=("cpu",)).as_text()
     with pytest.raises(RuntimeError, match=r"platform 'cuda' \(cuda: no handler here"):
@@ -414,38 +416,15 @@ def _site_dirs():
     return sorted(d for d in dirs if os.path.isdir(d))
 
 
-def _cuda_headers_available() -> bool:
-    """cublasLt.h (with MX block scaling) and what it includes, in an NVIDIA wheel or toolkit."""
-    include_dirs = []
-    for d in _site_dirs():
-        include_dirs += glob.glob(os.path.join(d, "nvidia", "*", "include"))
-        include_dirs += glob.glob(os.path.join(d, "nvidia", "*", "include", "cccl"))
-    for root in (os.environ.get("JAXMX_CUDA_ROOT"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root:
-            include_dirs += [os.path.join(root, "include"), os.path.join(root, "include", "cccl")]
-
-    def find(name):
-        return next((d for d in include_dirs if os.path.exists(os.path.join(d, name))), None)
-
-    lt = find("cublasLt.h")
-    if lt is None:
-        return False
-    with open(os.path.join(lt, "cublasLt.h")) as f:
-        if "CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0" not in f.read():
-            return False
-    return all(find(h) for h in ("cuda_runtime_api.h", "crt/host_defines.h", "nv/target"))
-
-
-def test_cuda_handler_built_when_headers_present():
-    """CI installs the NVIDIA header wheels, so a CUDA compile error cannot pass unnoticed."""
+@pytest.mark.skipif(
+    os.environ.get("JAXMX_CUDA", "").upper() not in ("ON", "1", "TRUE"),
+    reason="the cuBLASLt handler is built with JAXMX_CUDA=ON (as CI does)",
+)
+def test_cuda_handler_built_when_asked_for():
+    """CI builds with JAXMX_CUDA=ON, so a CUDA compile error cannot pass unnoticed."""
     info = _ffi.build_info()
     assert info["has_cuda"] == _ffi.has_cuda
-    if os.environ.get("JAXMX_CUDA", "").upper() == "OFF":
-        pytest.skip("built with JAXMX_CUDA=OFF")
-    if not _cuda_headers_available():
-        assert not os.environ.get("JAXMX_REQUIRE_CUDA_BUILD"), "CUDA headers required but absent"
-        pytest.skip("no CUDA (cuBLASLt >= 12.8) headers here")
-    assert _ffi.has_cuda, "CUDA headers are installed but the cuBLASLt handler was not built"
+    assert _ffi.has_cuda, "JAXMX_CUDA=ON but the extension has no cuBLASLt handler"
     assert info["cublas_header_version"] >= 120800
     assert "CUDA" in _ffi.registrations()
 

@@ -465,7 +465,7 @@ def test_misaligned_shards_raise_block_sharding_error_under_jit(backend, axis):
 def test_quantize_refuses_to_split_a_block_across_devices():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     _, (x, _) = misaligned_layouts(mesh)["K"]
-    with pytest.raises(BlockShardingError, match="jaxmx.quantize: x axis 1 .* 4 shards of 16"):
+    with pytest.raises(BlockShardingError, match=r"jaxmx.quantize: x axis 1 .* 4 shards of 16"):
         jax.jit(jaxmx.quantize)(x)
 
 

@@ -1,4 +1,4 @@
-"""The code base stays lint-clean and formatted (ruff, configured in pyproject.toml)."""
+"""The code base stays lint-clean and formatted: ruff (pyproject.toml) and clang-format (ffi/)."""
 
 import pathlib
 import subprocess
@@ -20,4 +20,15 @@ def test_ruff_check_is_clean():
 
 def test_ruff_format_is_clean():
     result = ruff("format", "--check", ".")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_clang_format_is_clean():
+    sources = sorted(str(p) for p in (ROOT / "ffi").iterdir() if p.suffix in (".cc", ".h"))
+    result = subprocess.run(
+        ["clang-format", "--dry-run", "--Werror", *sources],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

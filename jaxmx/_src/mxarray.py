@@ -100,15 +100,23 @@ def checked(q, where: str) -> MXArray:
         raise TypeError(f"{where}: an {f.name} MXArray holds {f.dtype} codes, got {data.dtype}")
     if scale.dtype != jnp.float8_e8m0fnu:
         raise TypeError(f"{where}: MXArray scales must be float8_e8m0fnu, got {scale.dtype}")
-    batch = data.shape[: data.ndim - len(shape)]
-    want_data = (*batch, *padded_shape(shape, q.axis, f.block))
-    want_scale = (*batch, *scale_shape(shape, q.axis, f.block))
-    if data.shape != want_data or scale.shape != want_scale:
+    want_data = padded_shape(shape, q.axis, f.block)
+    want_scale = scale_shape(shape, q.axis, f.block)
+    # Under vmap the leaves gain leading dims, or lose the logical shape's leading dims (an
+    # MXArray built outside and vmapped over): compare the trailing dims, block axis included.
+    n = min(data.ndim, len(shape))
+    consistent = (
+        len(shape) - q.axis <= n  # the block axis is among the leaves' dims
+        and data.ndim == scale.ndim
+        and data.shape[: data.ndim - n] == scale.shape[: scale.ndim - n]
+        and data.shape[data.ndim - n :] == want_data[len(shape) - n :]
+        and scale.shape[scale.ndim - n :] == want_scale[len(shape) - n :]
+    )
+    if not consistent:
         raise ValueError(
             f"{where}: an MXArray of logical shape {shape} blocked along axis {q.axis} holds "
-            f"codes of shape {want_data[len(batch) :]} and scales of shape "
-            f"{want_scale[len(batch) :]} (after any leading batch dims), got codes "
-            f"{data.shape} and scales {scale.shape}"
+            f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
+            f"leading batch dims), got codes {data.shape} and scales {scale.shape}"
         )
     return MXArray(data, scale, f.name, q.axis, shape)
 

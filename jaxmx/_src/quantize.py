@@ -146,7 +146,7 @@ def quantize_rowwise_colwise(
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
     """float32 values of element codes of format ``f``, exactly."""
     if f.is_fp8:
-        code = lax.bitcast_convert_type(data, jnp.uint8)
+        code = bits.as_bytes(data)
         return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf)
     return data.astype(jnp.float32)
 

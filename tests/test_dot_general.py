@@ -482,3 +482,32 @@ def test_stochastic_rounding_block_supplies_a_key_per_gemm():
     np.testing.assert_array_equal(step(k0), jax.jit(explicit)(k0))
     with pytest.raises(ValueError, match="stochastic_rounding"):  # a gradient outside a block
         jax.grad(lambda x: jaxmx.dot_general(x, w1, TN, recipe=recipe).sum())(x)
+
+
+def test_remat_saves_only_what_the_policy_allows(capsys):
+    """No callback or custom_vmap output sneaks into the residuals of a rematerialized MLP."""
+
+    def mlp(ws, x):
+        h = jax.nn.relu(jaxmx.dot_general(x, ws[0], TN, recipe=EMULATE))
+        return jaxmx.dot_general(h, ws[1], TN, recipe=EMULATE).sum()
+
+    def saved(policy) -> list[str]:
+        ws, x = (jnp.ones((128, 64)), jnp.ones((64, 128))), jnp.ones((32, 64))
+        jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(mlp, policy=policy), ws, x)
+        return [line for line in capsys.readouterr().out.splitlines() if line]
+
+    assert all(
+        "from the argument" in line for line in saved(jax.checkpoint_policies.nothing_saveable)
+    )
+    names = saved(jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE))
+    copies = [line for line in names if "from the argument" not in line]
+    assert len(copies) == 8, names  # codes and scales of two columnwise copies, two GEMMs
+    assert all(LHS_COLWISE in line or RHS_COLWISE in line for line in copies), names
+    assert all(line.startswith(("f8_e4m3fn[", "f8_e8m0fnu[")) for line in copies), names
+
+
+def test_second_order_derivatives():
+    w = jnp.asarray(np.random.default_rng(9).standard_normal((8, 32)), jnp.float32)
+    hessian = jax.hessian(lambda x: (jaxmx.dot_general(x, w, TN, recipe=EMULATE) ** 2).sum())
+    h = hessian(jnp.ones((2, 32)))
+    assert h.shape == (2, 32, 2, 32) and np.all(np.isfinite(h))

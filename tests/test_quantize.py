@@ -1,4 +1,4 @@
-"""Acceptance tests for jaxmx.quantize / dequantize / quantize_rowwise_colwise / swizzle.
+"""Acceptance tests for jaxmx.quantize / dequantize / quantize_rowwise_colwise.
 
 Numerics are checked against the independent reference in ``tests/reference.py`` and against the
 spec vectors of MX_NUMERICS.md (hard-coded below), never against jaxmx itself.
@@ -436,49 +436,6 @@ def test_rowwise_colwise(fmt, mode):
             finite = np.repeat(scale != ref.E8M0_NAN, 32, axis=1)
             np.testing.assert_array_equal(codes(got.data)[finite], codes(data)[finite])
             assert_same_float32(_dequantize(got), ref.dequantize(data, scale, 1, logical))
-
-
-# --- swizzle ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (130, 5), (256, 8), (3, 129, 7), (2, 2, 4, 3)])
-def test_swizzle_matches_reference_formula(shape):
-    rng = np.random.default_rng(0)
-    s = rng.integers(1, 256, shape, dtype=np.uint8)  # no zeros, so padding is visible
-    buf = np.asarray(jax.jit(jaxmx.swizzle_scales)(jnp.asarray(s)))
-    want = ref.swizzle(s)
-    assert buf.dtype == np.uint8 and buf.shape == want.shape
-    np.testing.assert_array_equal(buf, want)
-    rows, cols = shape[-2:]
-    assert (buf != 0).sum() == s.size  # every padding byte is zero
-    # E8M0 input gives the same bytes
-    e8 = jnp.asarray(s.view(ml_dtypes.float8_e8m0fnu))
-    np.testing.assert_array_equal(np.asarray(jaxmx.swizzle_scales(e8)), want)
-    # unswizzle: inverse, and the reference's gather
-    unsw = jax.jit(jaxmx.unswizzle_scales, static_argnums=(1, 2))(jnp.asarray(buf), rows, cols)
-    assert unsw.dtype == jnp.float8_e8m0fnu and unsw.shape == shape
-    np.testing.assert_array_equal(codes(unsw), s)
-    np.testing.assert_array_equal(ref.unswizzle(want, rows, cols), s)
-
-
-def test_swizzle_spot_offsets():
-    """A few offsets written out by hand from the cuBLAS layout formula."""
-    s = np.zeros((130, 5), np.uint8)
-    s[0, 0], s[1, 0], s[32, 0], s[0, 3], s[0, 4], s[129, 4], s[33, 1] = 1, 2, 3, 4, 5, 6, 7
-    buf = np.asarray(jaxmx.swizzle_scales(jnp.asarray(s)))
-    assert buf.shape == (256 * 8,)
-    # Cp = 8: off = ((r//128)*2 + c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4
-    expected = {0: 1, 16: 2, 4: 3, 3: 4, 512: 5, 1024 + 512 + 16: 6, 16 + 4 + 1: 7}
-    assert {int(i): int(buf[i]) for i in np.nonzero(buf)[0]} == expected
-
-
-def test_swizzle_errors():
-    with pytest.raises(ValueError):
-        jaxmx.swizzle_scales(jnp.zeros((4,), jnp.uint8))
-    with pytest.raises(TypeError):
-        jaxmx.swizzle_scales(jnp.zeros((4, 4), jnp.int32))
-    with pytest.raises(ValueError):
-        jaxmx.unswizzle_scales(jnp.zeros((100,), jnp.uint8), 4, 4)
 
 
 # --- properties -------------------------------------------------------------------------------

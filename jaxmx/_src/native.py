@@ -250,7 +250,8 @@ def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:
 
     ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
     ``n_multiple``, and the number of output columns to keep. Platforms without a handler
-    (:func:`_handler_status`) get a branch that fails at lowering with the reason.
+    (:func:`jaxmx._src.extension.handler_status`) get a branch that fails at lowering with
+    the reason.
     """
 
     def branch(workspace: int, n_multiple: int):

@@ -594,3 +594,50 @@ def test_a_sharded_training_step_round_trips_through_jax_export():
         reference(("mlp", "emulate"), mlp_step("emulate"), *args),
         sum_abs={"loss": loss_scale(want[0][1], args[3])},
     )
+
+
+# --- Explicit mesh axes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_under_explicit_axes(backend):
+    """A Megatron MLP step on jax.make_mesh's default (Explicit) axes: the results are the
+    one-device ones and every gradient keeps its parameter's sharding in its type."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    r = recipe(backend)
+    dims = (((2,), (1,)), ((), ()))  # x [batch, seq, d] . w [n, d]
+
+    def loss(params, x):
+        h = jax.nn.relu(jaxmx.dot_general(x, params["up"], dims, recipe=r))
+        return (jaxmx.dot_general(h, params["down"], dims, recipe=r) ** 2).sum()
+
+    k = jax.random.split(jax.random.key(10), 3)
+    params = {
+        "up": jax.random.normal(k[0], (F, D)) * D**-0.5,
+        "down": jax.random.normal(k[1], (D, F)) * F**-0.5,
+    }
+    x = jax.random.normal(k[2], (4, 64, D))
+    ref = reference(("explicit", backend), jax.value_and_grad(loss), params, x)
+    specs = {"up": P("model", None), "down": P(None, "model")}
+    sharded = jax.device_put(params, {n: NamedSharding(mesh, s) for n, s in specs.items()})
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    value, grads = jax.jit(jax.value_and_grad(loss))(sharded, xs)
+    for name, spec in specs.items():
+        assert jax.typeof(grads[name]).sharding.spec == spec, (name, jax.typeof(grads[name]))
+    sum_abs = {"loss": float(ref[0])}  # a sum of squares: its terms' magnitudes add up to it
+    got, want = (value, grads["up"], grads["down"]), (ref[0], ref[1]["up"], ref[1]["down"])
+    compare(("loss", "dup", "ddown"), got, want, sum_abs=sum_abs)
+
+
+def test_explicit_axes_inference_needs_only_k_aligned():
+    """Merged lhs free dims: batch 2 over data x seq 4 = 4 tokens per device, fine without a
+    gradient; with one, the weight-gradient GEMM would split a block."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x = jax.device_put(jnp.ones((2, 4, D)), NamedSharding(mesh, P("data")))
+    w = jnp.ones((32, D))
+    dims = (((2,), (1,)), ((), ()))
+    y = jax.jit(lambda x, w: jaxmx.dot_general(x, w, dims))(x, w)
+    assert y.shape == (2, 4, 32) and jax.typeof(y).sharding.spec[0] == "data"
+    train = jax.grad(lambda x, w: jaxmx.dot_general(x, w, dims).sum(), argnums=1)
+    with pytest.raises(BlockShardingError, match=r"lhs axis M \(size 8;.* 2 shards of 4"):
+        jax.jit(train)(x, w)

@@ -65,18 +65,50 @@ def check_block_alignment(
     Only shardings carried by the type (``Explicit`` mesh axes, or a concrete array's own
     sharding) are seen here; inside ``shard_map`` arrays are per-device blocks.
     """
+    sharding = named_sharding(x)
+    for d in axes:
+        message = merged_axis_problem(sharding, x.shape, (d.axis,), where, tensor, d, block)
+        if message:
+            raise BlockShardingError(message)
+
+
+def named_sharding(x) -> NamedSharding | None:
+    """The sharding ``x``'s type carries (Explicit axes), else a concrete array's own, or None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
         sharding = getattr(x, "sharding", None)  # a concrete, committed array
-    if not isinstance(sharding, NamedSharding):
-        return
-    for d in axes:
-        mesh_axes, n = shards(sharding, d.axis)
-        size = x.shape[d.axis]
-        if n > 1 and size % (block * n):
-            raise BlockShardingError(
-                misaligned_message(where, tensor, d, size, mesh_axes, n, block)
-            )
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def merged_axis_problem(
+    sharding: NamedSharding | None,
+    shape: tuple[int, ...],
+    group: tuple[int, ...],
+    where: str,
+    tensor: str,
+    d: ReducedAxis,
+    block: int,
+) -> str | None:
+    """Why the dims ``group`` of an array, merged (major to minor) into one reduction axis, put a
+    block on two devices under ``sharding``; None when every shard holds whole blocks.
+
+    A dim of size ``s`` split ``n`` ways inside the merged axis puts shard boundaries every
+    ``s / n * (product of the dims after it)`` elements; each such stride must be a multiple of
+    ``block``.
+    """
+    if sharding is None:
+        return None
+    size, names, shard_count, aligned = math.prod(shape[i] for i in group), (), 1, True
+    for j, axis in enumerate(group):
+        axis_names, n = shards(sharding, axis)
+        if n == 1:
+            continue
+        names, shard_count = names + axis_names, shard_count * n
+        minor = math.prod(shape[i] for i in group[j + 1 :])
+        aligned &= shape[axis] % n == 0 and (shape[axis] // n * minor) % block == 0
+    if aligned:
+        return None
+    return misaligned_message(where, tensor, d, size, names, shard_count, block)
 
 
 def shards(sharding: NamedSharding, axis: int) -> tuple[tuple[str, ...], int]:

@@ -36,9 +36,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxmx._src import keys
-from jaxmx._src.alignment import ReducedAxis, check_block_alignment
+from jaxmx._src.alignment import (
+    BlockShardingError,
+    ReducedAxis,
+    merged_axis_problem,
+    named_sharding,
+    shards,
+)
 from jaxmx._src.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.formats import get_format
 from jaxmx._src.matmul import matmul
@@ -96,6 +104,24 @@ def dot_general(
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.dot_general: preferred_element_type",
     )
+    # Sharded reduction axes must be split into whole blocks: K for every call; M (reduced by
+    # wgrad) and N (reduced by dgrad) only when a gradient is taken, so those wait for the VJP.
+    problems = _alignment_problems(lhs, rhs, dims, get_format(recipe.fwd).block)
+    if "K" in problems:
+        raise BlockShardingError(problems["K"])
+    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype, tuple(problems.values()))
+    mesh, out_spec = _explicit_layout(lhs, rhs, dims)
+    if mesh is None:
+        return _canonical_dot(static, dims, lhs, rhs, key)
+    # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so the
+    # GEMM runs with the mesh axes switched to Auto and gives its result the operands' layout.
+    run = functools.partial(_canonical_dot, static, dims)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
+
+
+def _canonical_dot(static: _Static, dims: _Dims, lhs, rhs, key):
+    """``lax.dot_general``'s result via the custom-VJP GEMM on ``[B, M, K]`` / ``[B, N, K]``."""
     x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
     w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
     batch_shape = x.shape[: len(dims.lhs_batch)]
@@ -103,9 +129,51 @@ def dot_general(
     n_shape = w.shape[len(dims.rhs_batch) : len(dims.rhs_batch) + len(dims.rhs_free)]
     k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
     b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
-    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
     y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
     return y.reshape(batch_shape + m_shape + n_shape)
+
+
+def _alignment_problems(lhs, rhs, dims: _Dims, block: int) -> dict[str, str]:
+    """Messages for the canonical axes (K, M, N) whose sharding would split a block."""
+    problems = {}
+    for name, tensor, x, group in (
+        ("K", "lhs", lhs, dims.lhs_contract),
+        ("K", "rhs", rhs, dims.rhs_contract),
+        ("M", "lhs", lhs, dims.lhs_free),
+        ("N", "rhs", rhs, dims.rhs_free),
+    ):
+        axis = ReducedAxis(0, name, *_AXES[name])
+        message = merged_axis_problem(
+            named_sharding(x), x.shape, group, _WHERE, tensor, axis, block
+        )
+        if message and name not in problems:
+            problems[name] = message
+    return problems
+
+
+def _explicit_layout(lhs, rhs, dims: _Dims):
+    """(abstract mesh, output PartitionSpec) when an operand's type carries Explicit mesh axes,
+    else (None, None). The output keeps each dim's sharding from its operand, each mesh axis
+    used once (batch dims first, then the lhs free dims, then the rhs free dims)."""
+    types = [jax.typeof(x).sharding for x in (lhs, rhs)]
+    explicit = [
+        s for s in types if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types
+    ]
+    if not explicit:
+        return None, None
+    used: set[str] = set()
+
+    def entry(sharding, axis):
+        names = tuple(a for a in shards(sharding, axis)[0] if a not in used) if sharding else ()
+        used.update(names)
+        return names or None
+
+    lhs_sh, rhs_sh = (
+        s if isinstance(s, NamedSharding) and not s.mesh.empty else None for s in types
+    )
+    spec = [entry(lhs_sh, d) for d in dims.lhs_batch + dims.lhs_free]
+    spec += [entry(rhs_sh, d) for d in dims.rhs_free]
+    return explicit[0].mesh, P(*spec)
 
 
 class _Static(NamedTuple):
@@ -113,6 +181,7 @@ class _Static(NamedTuple):
     out_dtype: jnp.dtype
     lhs_dtype: jnp.dtype  # the gradients' dtypes
     rhs_dtype: jnp.dtype
+    training_problems: tuple[str, ...]  # block misalignments that only a gradient runs into
 
 
 class _Dims(NamedTuple):
@@ -172,10 +241,8 @@ def _forward(static: _Static, x, w, key, training: bool):
             "recipe.grad_rounding='stochastic' needs a PRNG key to round the gradient: pass "
             "key=..., or call inside `with jaxmx.stochastic_rounding(key):`"
         )
-    # Sharded reduction axes must be split into whole blocks: K here; with training, also the
-    # rows of x (M, reduced by wgrad) and of w (N, reduced by dgrad), for the columnwise copies.
-    _check_alignment(x, "lhs", r.fwd, "K", *("M",) * training)
-    _check_alignment(w, "rhs", r.fwd, "K", *("N",) * training)
+    if training and static.training_problems:
+        raise BlockShardingError(static.training_problems[0])
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
     if not training:
         return y, None
@@ -196,7 +263,6 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         x_col, w_col = x_saved, w_saved
     else:
         x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
-    _check_alignment(g, "the output gradient", r.grad, "N", "M")
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
@@ -237,13 +303,6 @@ _AXES = {  # canonical axis -> (what it is, a hint), for BlockShardingError mess
     ),
     "N": ("the rhs free dimension(s) flattened, reduced by the input-gradient GEMM", ""),
 }
-
-
-def _check_alignment(x, tensor: str, fmt: str, *names: str) -> None:
-    """Checks the axes ``names`` of a canonical [B, rows, cols] operand, which its GEMMs reduce."""
-    index = {"K": 2, "M": 1, "N": 1} if names[0] == "K" else {"N": 2, "M": 1}
-    axes = tuple(ReducedAxis(index[n], n, *_AXES[n]) for n in names)
-    check_block_alignment(x, _WHERE, tensor, axes, get_format(fmt).block)
 
 
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;

@@ -218,3 +218,51 @@ def test_stochastic_gradient_rounding_takes_keys_from_the_block():
     np.testing.assert_allclose(g0, g1, rtol=0.2, atol=0.05 * float(jnp.abs(g0).max()))
     with pytest.raises(ValueError, match="stochastic_rounding"):
         nnx.grad(lambda layer: jnp.sum(layer(x)))(layer)
+
+
+class AttentionBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(4, 64, decode=False, rngs=rngs)
+        self.general = nnx.LinearGeneral(64, (2, 32), rngs=rngs)
+
+    def __call__(self, x):
+        h = self.attn(x)
+        return self.general(h).reshape(h.shape)
+
+
+def test_quantize_model_converts_attention_projections_and_linear_general(x):
+    model, ref = AttentionBlock(nnx.Rngs(0)), AttentionBlock(nnx.Rngs(0))
+    converted = mxnnx.quantize_model(model, MX)
+    assert sorted(converted) == [
+        "attn/key",
+        "attn/out",
+        "attn/query",
+        "attn/value",
+        "general",
+    ]
+    for layer in converted.values():
+        assert isinstance(layer.dot_general, jaxmx.flax.MXDotGeneral)
+        assert layer.dot_general.recipe == MX
+    y, y_ref = model(x), ref(x)
+    assert 1e-3 < _rel(y, y_ref) < 0.15  # quantized: three MXFP8 GEMMs deep
+    # The query projection computes what the MX reference says: x and the kernel, each
+    # quantized along the contraction (d), then a float64 product.
+    q = model.attn.query
+    want = np.einsum("btd,dnh->btnh", _q(x, -1), _q(q.kernel[...], 0)) + np.asarray(q.bias[...])
+    np.testing.assert_allclose(q(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_include_that_matches_nothing_raises():
+    with pytest.raises(ValueError, match=r"include pattern '\*query\*' matches no .*'blocks/0'"):
+        mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, include=["blocks/*", "*query*"])
+
+
+def test_quantize_model_refuses_a_layer_with_dot_general_cls():
+    class Custom(nnx.Module):
+        def __init__(self, rngs):
+            self.proj = nnx.LinearGeneral(
+                32, 32, dot_general_cls=lambda: jax.lax.dot_general, rngs=rngs
+            )
+
+    with pytest.raises(ValueError, match="'proj' sets dot_general_cls"):
+        mxnnx.quantize_model(Custom(nnx.Rngs(0)), MX)

@@ -93,10 +93,13 @@ def quantize_model(
     include: Rule = None,
     exclude: Rule = DEFAULT_EXCLUDE,
 ) -> dict[str, nnx.Module]:
-    """Routes the ``nnx.Linear`` / ``nnx.Einsum`` layers of ``model`` through jaxmx, in place.
+    """Routes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model``
+    through jaxmx, in place.
 
-    Only the layers' ``dot_general`` / ``einsum_op`` hooks change: parameters, their dtypes and the
-    model's state tree are untouched, so optimizer state and checkpoints stay valid.
+    The projections of ``nnx.MultiHeadAttention`` (``query``, ``key``, ``value``, ``out``) are
+    ``LinearGeneral`` layers and are converted like any other. Only the layers' ``dot_general`` /
+    ``einsum_op`` hooks change: parameters, their dtypes and the model's state tree are untouched,
+    so optimizer state and checkpoints stay valid.
 
     Args:
         model: any nnx module.
@@ -111,6 +114,11 @@ def quantize_model(
     Returns:
         ``{path: layer}`` for every layer that was converted, in traversal order.
 
+    Raises:
+        ValueError: an ``include`` pattern matches none of the model's convertible layers (the
+            message lists them), or a matched layer sets ``dot_general_cls``, which Flax uses in
+            place of ``dot_general``.
+
     Example:
         >>> from flax import nnx
         >>> import jaxmx.flax.nnx as mxnnx
@@ -121,22 +129,52 @@ def quantize_model(
         >>> sorted(mxnnx.quantize_model(Net(nnx.Rngs(0))))
         ['up']
     """
+    layers = {
+        "/".join(str(p) for p in path): layer
+        for path, layer in nnx.iter_modules(model)
+        if isinstance(layer, CONVERTIBLE)
+    }
+    if include is not None and not callable(include):
+        for pattern in _patterns(include):
+            if not any(_matches(name, (pattern,)) for name in layers):
+                raise ValueError(
+                    f"quantize_model: include pattern {pattern!r} matches no Linear, "
+                    f"LinearGeneral or Einsum layer; the model has {sorted(layers)}"
+                )
     included = _matcher(include, default=True)
     excluded = _matcher(exclude, default=False)
     converted = {}
-    for path, layer in nnx.iter_modules(model):
-        if not isinstance(layer, (nnx.Linear, nnx.Einsum)):
-            continue
-        name = "/".join(str(p) for p in path)
+    for name, layer in layers.items():
         if not included(name, layer) or excluded(name, layer):
             continue
-        if isinstance(layer, nnx.Linear):
-            layer.dot_general = MXDotGeneral(recipe)
-        else:
+        if isinstance(layer, nnx.Einsum):
             layer.einsum_op = MXEinsum(recipe)
+        elif getattr(layer, "dot_general_cls", None) is not None:
+            raise ValueError(
+                f"quantize_model: layer {name!r} sets dot_general_cls, which Flax calls instead of "
+                "its dot_general; exclude the layer or drop its dot_general_cls"
+            )
+        else:
+            layer.dot_general = MXDotGeneral(recipe)
         layer.recipe = recipe
         converted[name] = layer
     return converted
+
+
+CONVERTIBLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
+"""The layer types :func:`quantize_model` converts."""
+
+
+def _patterns(rule) -> tuple[str, ...]:
+    return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    parts = name.split("/")
+    return any(
+        fnmatch.fnmatchcase(name, p) or any(fnmatch.fnmatchcase(c, p) for c in parts)
+        for p in patterns
+    )
 
 
 def _matcher(rule: Rule, default: bool) -> Callable[[str, nnx.Module], bool]:
@@ -144,13 +182,5 @@ def _matcher(rule: Rule, default: bool) -> Callable[[str, nnx.Module], bool]:
         return lambda name, layer: default
     if callable(rule):
         return rule
-    patterns = (rule,) if isinstance(rule, str) else tuple(rule)
-
-    def match(name: str, layer) -> bool:
-        parts = name.split("/")
-        return any(
-            fnmatch.fnmatchcase(name, p) or any(fnmatch.fnmatchcase(c, p) for c in parts)
-            for p in patterns
-        )
-
-    return match
+    patterns = _patterns(rule)
+    return lambda name, layer: _matches(name, patterns)

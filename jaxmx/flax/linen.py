@@ -3,7 +3,8 @@
 ``Dense``, ``DenseGeneral`` and ``Einsum`` take exactly the arguments of their Flax namesakes plus
 ``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain high precision), with the same
 parameters, so checkpoints interchange with the stock layers. :func:`dot_general` gives the
-``dot_general=`` argument of a stock layer.
+``dot_general=`` argument of a stock layer; :func:`quantize_model` converts a whole model's
+``Dense`` / ``DenseGeneral`` / ``Einsum`` layers without editing its source.
 
 Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
@@ -13,6 +14,7 @@ Example:
     (4, 16)
 """
 
-from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
+from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general, quantize_model
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE
 
-__all__ = ["Dense", "DenseGeneral", "Einsum", "dot_general"]
+__all__ = ["DEFAULT_EXCLUDE", "Dense", "DenseGeneral", "Einsum", "dot_general", "quantize_model"]

@@ -16,10 +16,14 @@ To quantize a stock layer instead, pass :func:`dot_general`:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Rule, matcher, unmatched_includes
 from jaxmx._src.recipes import MXFP8, Recipe
 
 
@@ -79,30 +83,157 @@ class Einsum(nn.Einsum):
 
     @nn.compact
     def __call__(self, inputs, einsum_str: str | None = None):
-        # Flax's Einsum.__call__ with jnp.einsum's contraction routed through jaxmx.
-        einsum_str = nn.merge_param("einsum_str", self.einsum_str, einsum_str)
-        einsum_str = einsum_str.replace(" ", "")
-        if "->" not in einsum_str:
-            raise ValueError('`einsum_str` equation must be explicit and include "->".')
-        if einsum_str.count(",") != 1:
-            raise ValueError(
-                "`einsum_str` equation must have exactly two operands and therefore, exactly one "
-                f"comma character, instead of {einsum_str.count(',')}"
-            )
-        kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
-        if self.use_bias:
-            bias_shape, broadcasted_bias_shape = self._get_bias_shape(einsum_str, inputs, kernel)
-            bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
-        else:
-            bias = None
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        y = MXEinsum(self.recipe)(
-            einsum_str,
-            inputs,
-            kernel,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
+        return _einsum_call(self, inputs, einsum_str, self.recipe)
+
+
+def _einsum_call(module: nn.Einsum, inputs, einsum_str, recipe):
+    """Flax's ``Einsum.__call__`` on ``module`` (inside its compact scope), with the contraction
+    routed through jaxmx."""
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str)
+    einsum_str = einsum_str.replace(" ", "")
+    if "->" not in einsum_str:
+        raise ValueError('`einsum_str` equation must be explicit and include "->".')
+    if einsum_str.count(",") != 1:
+        raise ValueError(
+            "`einsum_str` equation must have exactly two operands and therefore, exactly one "
+            f"comma character, instead of {einsum_str.count(',')}"
         )
-        if bias is not None:
-            y += jnp.reshape(bias, broadcasted_bias_shape)
-        return y
+    kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+    if module.use_bias:
+        bias_shape, broadcasted_bias_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+        bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+    else:
+        bias = None
+    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+    y = MXEinsum(recipe)(
+        einsum_str,
+        inputs,
+        kernel,
+        precision=module.precision,
+        preferred_element_type=module.preferred_element_type,
+    )
+    if bias is not None:
+        y += jnp.reshape(bias, broadcasted_bias_shape)
+    return y
+
+
+# --- whole-model conversion -------------------------------------------------------------------
+
+CONVERTIBLE = (nn.Dense, nn.DenseGeneral, nn.Einsum)
+"""The layer types :func:`quantize_model` converts (``MultiHeadDotProductAttention``'s
+projections are ``DenseGeneral`` layers)."""
+
+
+def quantize_model(
+    module: nn.Module,
+    recipe: Recipe | None = MXFP8,
+    *,
+    include: Rule = None,
+    exclude: Rule = DEFAULT_EXCLUDE,
+) -> nn.Module:
+    """``module`` with its ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers run through
+    jaxmx, without touching its source.
+
+    The result is an instance of a subclass of ``type(module)`` with the same fields, so its
+    parameter tree is the same as ``module``'s: checkpoints interchange, and
+    ``quantize_model(m).init`` gives the parameters ``m.init`` would. Its ``init``,
+    ``init_with_output`` and ``apply`` run under Flax's method interception
+    (``nn.intercept_methods``), which hands each matched layer's call a jaxmx ``dot_general``
+    (``Dense``, ``DenseGeneral``, so also the attention projections) or the jaxmx contraction
+    (``Einsum``). jaxmx's own layers keep their recipe. Use the result at the top level (its
+    ``init`` / ``apply``).
+
+    Args:
+        module: a linen module (unbound).
+        recipe: a :class:`jaxmx.Recipe`, or ``None`` for plain high precision.
+        include, exclude: path rules as for :func:`jaxmx.flax.nnx.quantize_model`, matched
+            against ``"/"``-joined module paths (e.g. ``"decoder/block_0/mlp/dense_0"``);
+            ``exclude`` defaults to :data:`DEFAULT_EXCLUDE` (embeddings and output heads).
+
+    Raises:
+        ValueError: (from ``init`` / ``apply``) an ``include`` pattern matched no convertible
+            layer, or a matched layer sets ``dot_general_cls``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
+        >>> class MLP(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return nn.Dense(4, name="head")(nn.relu(nn.Dense(64, name="up")(x)))
+        >>> model = mxl.quantize_model(MLP())
+        >>> params = model.init(jax.random.key(0), jnp.ones((2, 32)))
+        >>> jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, MLP().init(
+        ...     jax.random.key(0), jnp.ones((2, 32))))
+        True
+    """
+    interceptor = _Interceptor(recipe, include, exclude)
+    cls = _quantized_class(type(module))
+    fields = {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(module)
+        if f.init and f.name not in ("parent", "name")
+    }
+    quantized = cls(**fields)
+    object.__setattr__(quantized, "_jaxmx_interceptor", interceptor)
+    return quantized
+
+
+@functools.cache
+def _quantized_class(base: type) -> type:
+    def intercepted(method_name):
+        base_method = getattr(base, method_name)
+
+        @functools.wraps(base_method)
+        def method(self, *args, **kwargs):
+            interceptor = self._jaxmx_interceptor
+            interceptor.seen.clear()
+            with nn.intercept_methods(interceptor):
+                out = base_method(self, *args, **kwargs)
+            interceptor.check_includes()
+            return out
+
+        return method
+
+    names = ("init", "init_with_output", "apply")
+    return type(base.__name__, (base,), {n: intercepted(n) for n in names})
+
+
+@dataclasses.dataclass(eq=False)
+class _Interceptor:
+    """Hands matched layers a jaxmx GEMM; records the convertible layers it saw."""
+
+    recipe: Recipe | None
+    include: Rule
+    exclude: Rule
+    seen: set = dataclasses.field(default_factory=set)
+
+    def __post_init__(self):
+        self.included = matcher(self.include, default=True)
+        self.excluded = matcher(self.exclude, default=False)
+
+    def __call__(self, next_fun, args, kwargs, context):
+        layer = context.module
+        jaxmx_layer = isinstance(layer, (Dense, DenseGeneral, Einsum))
+        if context.method_name != "__call__" or not isinstance(layer, CONVERTIBLE) or jaxmx_layer:
+            return next_fun(*args, **kwargs)
+        path = "/".join(layer.path)
+        self.seen.add(path)
+        if not self.included(path, layer) or self.excluded(path, layer):
+            return next_fun(*args, **kwargs)
+        if isinstance(layer, nn.Einsum):
+            return _einsum_call(layer, *args, recipe=self.recipe, **kwargs)
+        if layer.dot_general_cls is not None:
+            raise ValueError(
+                f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead "
+                "of its dot_general; exclude the layer or drop its dot_general_cls"
+            )
+        object.__setattr__(layer, "dot_general", MXDotGeneral(self.recipe))
+        return next_fun(*args, **kwargs)
+
+    def check_includes(self) -> None:
+        unmatched = unmatched_includes(self.include, self.seen)
+        if unmatched:
+            raise ValueError(
+                f"quantize_model: include pattern {unmatched[0]!r} matches no Dense, "
+                f"DenseGeneral or Einsum layer; the model has {sorted(self.seen)}"
+            )

@@ -19,21 +19,11 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Iterable
-
 from flax import nnx
 
 from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Rule, matcher, unmatched_includes
 from jaxmx._src.recipes import MXFP8, Recipe
-
-DEFAULT_EXCLUDE: tuple[str, ...] = ("*embed*", "head", "*_head", "logits", "classifier")
-"""Layer-path patterns :func:`quantize_model` leaves in high precision unless told otherwise.
-
-Embeddings (tied or not) and the output head stay in high precision, as in NVIDIA's MXFP8 and
-DeepSeek-V3's FP8 recipes. A pattern matches a layer if it matches its whole ``/``-joined path
-(``"blocks/0/mlp/up"``) or any single component of it (``fnmatch`` syntax).
-"""
 
 
 class Linear(nnx.Linear):
@@ -81,9 +71,6 @@ class Einsum(nnx.Einsum):
             raise TypeError("pass either recipe= or einsum_op=, not both")
         super().__init__(einsum_str, kernel_shape, bias_shape, einsum_op=MXEinsum(recipe), **kwargs)
         self.recipe = recipe
-
-
-Rule = str | Iterable[str] | Callable[[str, nnx.Module], bool] | None
 
 
 def quantize_model(
@@ -134,15 +121,14 @@ def quantize_model(
         for path, layer in nnx.iter_modules(model)
         if isinstance(layer, CONVERTIBLE)
     }
-    if include is not None and not callable(include):
-        for pattern in _patterns(include):
-            if not any(_matches(name, (pattern,)) for name in layers):
-                raise ValueError(
-                    f"quantize_model: include pattern {pattern!r} matches no Linear, "
-                    f"LinearGeneral or Einsum layer; the model has {sorted(layers)}"
-                )
-    included = _matcher(include, default=True)
-    excluded = _matcher(exclude, default=False)
+    unmatched = unmatched_includes(include, layers)
+    if unmatched:
+        raise ValueError(
+            f"quantize_model: include pattern {unmatched[0]!r} matches no Linear, LinearGeneral "
+            f"or Einsum layer; the model has {sorted(layers)}"
+        )
+    included = matcher(include, default=True)
+    excluded = matcher(exclude, default=False)
     converted = {}
     for name, layer in layers.items():
         if not included(name, layer) or excluded(name, layer):
@@ -163,24 +149,3 @@ def quantize_model(
 
 CONVERTIBLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 """The layer types :func:`quantize_model` converts."""
-
-
-def _patterns(rule) -> tuple[str, ...]:
-    return (rule,) if isinstance(rule, str) else tuple(rule)
-
-
-def _matches(name: str, patterns: tuple[str, ...]) -> bool:
-    parts = name.split("/")
-    return any(
-        fnmatch.fnmatchcase(name, p) or any(fnmatch.fnmatchcase(c, p) for c in parts)
-        for p in patterns
-    )
-
-
-def _matcher(rule: Rule, default: bool) -> Callable[[str, nnx.Module], bool]:
-    if rule is None:
-        return lambda name, layer: default
-    if callable(rule):
-        return rule
-    patterns = _patterns(rule)
-    return lambda name, layer: _matches(name, patterns)

@@ -511,3 +511,26 @@ def test_second_order_derivatives():
     hessian = jax.hessian(lambda x: (jaxmx.dot_general(x, w, TN, recipe=EMULATE) ** 2).sum())
     h = hessian(jnp.ones((2, 32)))
     assert h.shape == (2, 32, 2, 32) and np.all(np.isfinite(h))
+
+
+@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize(("m", "k", "n"), [(0, 64, 8), (4, 0, 8), (4, 64, 0), (0, 0, 0)])
+def test_zero_size_dimensions_give_what_lax_gives(backend, m, k, n):
+    recipe = EMULATE.replace(backend=backend)
+    x, w = jnp.ones((m, k)), jnp.ones((n, k))
+
+    def loss(f):
+        return lambda x, w: (f(x, w, TN) * 2.0).sum()
+
+    mx = functools.partial(jaxmx.dot_general, recipe=recipe)
+    np.testing.assert_array_equal(mx(x, w, TN), jax.lax.dot_general(x, w, TN))
+    got = jax.grad(loss(mx), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(jax.lax.dot_general), argnums=(0, 1))(x, w)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_dequantize_of_quantize_has_a_zero_gradient():
+    """Piecewise constant, and differentiated as such (documented on jaxmx.dequantize)."""
+    x = jnp.linspace(-3.0, 3.0, 64)
+    g = jax.grad(lambda x: jaxmx.dequantize(jaxmx.quantize(x)).sum())(x)
+    np.testing.assert_array_equal(g, jnp.zeros_like(x))

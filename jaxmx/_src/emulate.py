@@ -85,7 +85,8 @@ def _decode(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
     values = decode_elements(data, f).reshape(blocked)
     byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
     exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
-    row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True)  # over K, per row
+    # over K, per row (an empty K gives the smallest exponent)
+    row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True, initial=-bits.EXPONENT_BIAS)
     relative = exponent - row_max  # <= 0
     # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
     scaled = values * bits.pow2(jnp.maximum(relative, -126))

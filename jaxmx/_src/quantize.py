@@ -84,7 +84,10 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
         dtype: float32 (default), bfloat16 or float16.
 
     Returns an array of the logical (unpadded) shape. Blocks with the NaN scale become NaN.
-    ``dequantize`` is not differentiable (use :func:`jaxmx.dot_general` to train).
+
+    Gradients: ``dequantize(quantize(x))`` is piecewise constant in ``x``, and JAX differentiates
+    it as such: its gradient is zero (quantize works on integer codes). To train through MX
+    quantization use :func:`jaxmx.dot_general`, whose custom VJP quantizes each GEMM's operands.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx

@@ -13,6 +13,7 @@ Example:
 
 from jaxmx import ffi, recipes
 from jaxmx._src.alignment import BlockShardingError
+from jaxmx._src.attention import dot_product_attention
 from jaxmx._src.backends import BACKENDS, backends
 from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
 from jaxmx._src.einsum import einsum
@@ -41,6 +42,7 @@ __all__ = [
     "backends",
     "dequantize",
     "dot_general",
+    "dot_product_attention",
     "einsum",
     "ffi",
     "matmul",

@@ -218,6 +218,11 @@ def test_quantize_model_converts_an_unmodified_transformer_lm():
     assert count_jaxmx_gemms(lambda p: everything.apply(p, tokens), params) == 2 * 6 + 1
     with pytest.raises(ValueError, match="include pattern 'decoder' matches no Dense"):
         mxl.quantize_model(model, MX, include=["*mlp*", "decoder"]).apply(params, tokens)
+    # attention=True: the two attention products of each block too
+    with_attention = mxl.quantize_model(model, MX, attention=True)
+    assert count_jaxmx_gemms(lambda p: with_attention.apply(p, tokens), params) == 2 * (6 + 2)
+    y_attn = with_attention.apply(params, tokens)
+    assert 1e-3 < _rel(y_attn, y) < 0.1
 
 
 def test_quantized_transformer_lm_trains_like_high_precision():
@@ -244,6 +249,8 @@ def test_quantized_transformer_lm_trains_like_high_precision():
             losses.append(float(loss))
         return np.array(losses)
 
-    ref, mx = train(model), train(mxl.quantize_model(model, MX))
+    ref = train(model)
     assert ref[-1] < 0.9 * ref[0]  # it learns
-    np.testing.assert_allclose(mx, ref, rtol=0.01)
+    for attention in (False, True):
+        mx = train(mxl.quantize_model(model, MX, attention=attention))
+        np.testing.assert_allclose(mx, ref, rtol=0.01)

@@ -252,6 +252,16 @@ def test_quantize_model_converts_attention_projections_and_linear_general(x):
     np.testing.assert_allclose(q(x), want, rtol=1e-5, atol=1e-5)
 
 
+def test_quantize_model_attention_products(x):
+    model, ref = AttentionBlock(nnx.Rngs(0)), AttentionBlock(nnx.Rngs(0))
+    converted = mxnnx.quantize_model(model, MX, attention=True)
+    assert "attn" in converted and isinstance(model.attn.attention_fn, jaxmx.flax.MXAttention)
+    assert len(converted) == 6
+    graph = str(jax.make_jaxpr(lambda x: model(x))(x))
+    assert graph.count("custom_vjp_call") == 4 + 1 + 2  # projections, general, QK^T and PV
+    assert 1e-3 < _rel(model(x), ref(x)) < 0.15
+
+
 def test_quantize_model_include_that_matches_nothing_raises():
     with pytest.raises(ValueError, match=r"include pattern '\*query\*' matches no .*'blocks/0'"):
         mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, include=["blocks/*", "*query*"])

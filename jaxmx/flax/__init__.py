@@ -19,7 +19,7 @@ Example:
     (dtype('float32'), (8, 64))
 """
 
-from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx.flax import linen, nnx
 
-__all__ = ["MXDotGeneral", "MXEinsum", "linen", "nnx"]
+__all__ = ["MXAttention", "MXDotGeneral", "MXEinsum", "linen", "nnx"]

@@ -22,7 +22,7 @@ import functools
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Rule, matcher, unmatched_includes
 from jaxmx._src.recipes import MXFP8, Recipe
 
@@ -130,6 +130,7 @@ def quantize_model(
     *,
     include: Rule = None,
     exclude: Rule = DEFAULT_EXCLUDE,
+    attention: bool = False,
 ) -> nn.Module:
     """``module`` with its ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers run through
     jaxmx, without touching its source.
@@ -149,6 +150,9 @@ def quantize_model(
         include, exclude: path rules as for :func:`jaxmx.flax.nnx.quantize_model`, matched
             against ``"/"``-joined module paths (e.g. ``"decoder/block_0/mlp/dense_0"``);
             ``exclude`` defaults to :data:`DEFAULT_EXCLUDE` (embeddings and output heads).
+        attention: also compute the attention products (``QK^T``, ``PV``) of the matched
+            ``nn.MultiHeadDotProductAttention`` layers in MX formats (their ``attention_fn``
+            becomes :class:`jaxmx.flax.MXAttention`).
 
     Raises:
         ValueError: (from ``init`` / ``apply``) an ``include`` pattern matched no convertible
@@ -166,7 +170,7 @@ def quantize_model(
         ...     jax.random.key(0), jnp.ones((2, 32))))
         True
     """
-    interceptor = _Interceptor(recipe, include, exclude)
+    interceptor = _Interceptor(recipe, include, exclude, attention)
     cls = _quantized_class(type(module))
     fields = {
         f.name: getattr(module, f.name)
@@ -205,6 +209,7 @@ class _Interceptor:
     recipe: Recipe | None
     include: Rule
     exclude: Rule
+    attention: bool
     seen: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):
@@ -213,12 +218,16 @@ class _Interceptor:
 
     def __call__(self, next_fun, args, kwargs, context):
         layer = context.module
+        kinds = CONVERTIBLE + ((nn.MultiHeadDotProductAttention,) if self.attention else ())
         jaxmx_layer = isinstance(layer, (Dense, DenseGeneral, Einsum))
-        if context.method_name != "__call__" or not isinstance(layer, CONVERTIBLE) or jaxmx_layer:
+        if context.method_name != "__call__" or not isinstance(layer, kinds) or jaxmx_layer:
             return next_fun(*args, **kwargs)
         path = "/".join(layer.path)
         self.seen.add(path)
         if not self.included(path, layer) or self.excluded(path, layer):
+            return next_fun(*args, **kwargs)
+        if isinstance(layer, nn.MultiHeadDotProductAttention):
+            object.__setattr__(layer, "attention_fn", MXAttention(self.recipe))
             return next_fun(*args, **kwargs)
         if isinstance(layer, nn.Einsum):
             return _einsum_call(layer, *args, recipe=self.recipe, **kwargs)

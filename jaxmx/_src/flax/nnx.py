@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from jaxmx._src.flax.ops import MXDotGeneral, MXEinsum
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Rule, matcher, unmatched_includes
 from jaxmx._src.recipes import MXFP8, Recipe
 
@@ -79,6 +79,7 @@ def quantize_model(
     *,
     include: Rule = None,
     exclude: Rule = DEFAULT_EXCLUDE,
+    attention: bool = False,
 ) -> dict[str, nnx.Module]:
     """Routes the ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of ``model``
     through jaxmx, in place.
@@ -97,6 +98,9 @@ def quantize_model(
             ``(path, layer) -> bool``.
         exclude: layers to leave alone, same forms; default :data:`DEFAULT_EXCLUDE` (embeddings and
             output heads). Pass ``()`` to convert everything ``include`` matches.
+        attention: also compute the attention products (``QK^T``, ``PV``) of the matched
+            ``nnx.MultiHeadAttention`` layers in MX formats (their ``attention_fn`` becomes
+            :class:`jaxmx.flax.MXAttention`); they are listed in the result too.
 
     Returns:
         ``{path: layer}`` for every layer that was converted, in traversal order.
@@ -116,10 +120,11 @@ def quantize_model(
         >>> sorted(mxnnx.quantize_model(Net(nnx.Rngs(0))))
         ['up']
     """
+    kinds = CONVERTIBLE + ((nnx.MultiHeadAttention,) if attention else ())
     layers = {
         "/".join(str(p) for p in path): layer
         for path, layer in nnx.iter_modules(model)
-        if isinstance(layer, CONVERTIBLE)
+        if isinstance(layer, kinds)
     }
     unmatched = unmatched_includes(include, layers)
     if unmatched:
@@ -133,7 +138,9 @@ def quantize_model(
     for name, layer in layers.items():
         if not included(name, layer) or excluded(name, layer):
             continue
-        if isinstance(layer, nnx.Einsum):
+        if isinstance(layer, nnx.MultiHeadAttention):
+            layer.attention_fn = MXAttention(recipe)
+        elif isinstance(layer, nnx.Einsum):
             layer.einsum_op = MXEinsum(recipe)
         elif getattr(layer, "dot_general_cls", None) is not None:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Picklable, hashable callables that bind a recipe to ``jaxmx.dot_general`` / ``jnp.einsum``.
+"""Picklable, hashable callables that bind a recipe to jaxmx's GEMMs, for Flax's layer hooks.
 
 Flax stores the ``dot_general`` / ``einsum_op`` of a layer as a static attribute, so these are
 frozen dataclasses: equal recipes give equal (and equally hashed) callables, which keeps ``jit``
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx._src.attention import dot_product_attention as jaxmx_attention
 from jaxmx._src.dot_general import dot_general as jaxmx_dot_general
 from jaxmx._src.einsum import einsum as jaxmx_einsum
 from jaxmx._src.recipes import MXFP8, Recipe
@@ -103,3 +104,61 @@ class MXEinsum:
         if out_sharding is not None:
             y = jax.lax.with_sharding_constraint(y, out_sharding)
         return y
+
+
+@dataclasses.dataclass(frozen=True)
+class MXAttention:
+    """The ``attention_fn`` of Flax's attention layers, computed by
+    :func:`jaxmx.dot_product_attention` (both attention products in MX formats).
+
+    Takes Flax's ``dot_product_attention`` arguments: ``query [batch..., T, N, H]``,
+    ``key`` / ``value [batch..., S, K, H]``, ``bias`` and ``mask`` broadcastable to
+    ``[batch..., N, T, S]`` (a mask keeps its non-zero entries, as in Flax). ``dtype``, ``precision`` and ``module`` are accepted and ignored (the
+    recipe fixes the products); attention-weight dropout is not supported and raises.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from jaxmx.flax import MXAttention
+        >>> attn = nnx.MultiHeadAttention(4, 64, attention_fn=MXAttention(), decode=False,
+        ...                               rngs=nnx.Rngs(0))
+        >>> attn(jnp.ones((2, 8, 64))).shape
+        (2, 8, 64)
+    """
+
+    recipe: Recipe | None = MXFP8
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        **unused,
+    ) -> jax.Array:
+        if dropout_rate > 0.0 and not deterministic:
+            raise NotImplementedError(
+                "MXAttention: attention-weight dropout is not supported; set dropout_rate=0 or "
+                "deterministic=True (dropout elsewhere in the model is unaffected)"
+            )
+        if mask is not None:
+            mask = jnp.asarray(mask) != 0  # Flax's masks may be 0/1 floats (nn.make_causal_mask)
+        if self.recipe is None:
+            return jax.nn.dot_product_attention(query, key, value, bias, mask)
+        batch = query.shape[:-3]
+        flat = [x.reshape(-1, *x.shape[-3:]) for x in (query, key, value)]
+        heads = (query.shape[-2], query.shape[-3], key.shape[-3])  # N, T, S
+        bias, mask = (
+            None if x is None else jnp.broadcast_to(x, (*batch, *heads)).reshape(-1, *heads)
+            for x in (bias, mask)
+        )
+        out = jaxmx_attention(*flat, bias, mask, recipe=self.recipe)
+        return out.reshape(*batch, *out.shape[1:])

@@ -22,6 +22,7 @@ from jaxmx._src.keys import stochastic_rounding
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray
 from jaxmx._src.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.ragged import ragged_dot
 from jaxmx._src.recipes import Recipe
 from jaxmx._src.swizzle import swizzle_scales, unswizzle_scales
 from jaxmx._version import __version__
@@ -48,6 +49,7 @@ __all__ = [
     "matmul",
     "quantize",
     "quantize_rowwise_colwise",
+    "ragged_dot",
     "recipes",
     "stochastic_rounding",
     "swizzle_scales",

@@ -113,8 +113,9 @@ class MXAttention:
 
     Takes Flax's ``dot_product_attention`` arguments: ``query [batch..., T, N, H]``,
     ``key`` / ``value [batch..., S, K, H]``, ``bias`` and ``mask`` broadcastable to
-    ``[batch..., N, T, S]`` (a mask keeps its non-zero entries, as in Flax). ``dtype``, ``precision`` and ``module`` are accepted and ignored (the
-    recipe fixes the products); attention-weight dropout is not supported and raises.
+    ``[batch..., N, T, S]`` (a mask keeps its non-zero entries, as in Flax). ``dtype``,
+    ``precision`` and ``module`` are accepted and ignored (the recipe fixes the products);
+    attention-weight dropout is not supported and raises.
 
     Example:
         >>> import jax.numpy as jnp

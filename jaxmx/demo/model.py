@@ -32,11 +32,12 @@ class Attention(nnx.Module):
         self.heads = heads
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
         self.out = _zero_linear(d_model, d_model, dtype=dtype, rngs=rngs)
+        self.attention_fn = nnx.dot_product_attention  # jaxmx.flax.MXAttention for MX QK^T, PV
 
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads), 3, axis=2)
-        y = nnx.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+        y = self.attention_fn(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
         return self.out(y.reshape(b, t, d))
 
 

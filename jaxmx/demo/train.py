@@ -81,15 +81,20 @@ class RunResult:
         return float(np.median(self.step_times)) if self.step_times else float("nan")
 
 
-def build_model(cfg: Config, recipe=None) -> Transformer:
-    """The demo model; with a recipe, its linear layers (not embed/head) go through jaxmx."""
+def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transformer:
+    """The demo model; with a recipe, its linear layers (not embed/head) go through jaxmx, and
+    with ``attention`` its attention products (``QK^T``, ``PV``) too."""
     model = Transformer(
         data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
     )
     if recipe is not None:
+        from jaxmx.flax import MXAttention
         from jaxmx.flax.nnx import quantize_model
 
         quantize_model(model, recipe)
+        if attention:
+            for block in model.blocks:
+                block.attn.attention_fn = MXAttention(recipe)
     return model
 
 

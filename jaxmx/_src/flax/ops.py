@@ -143,6 +143,7 @@ class MXAttention:
         dtype=None,
         precision=None,
         module=None,
+        is_causal=False,
         **unused,
     ) -> jax.Array:
         if dropout_rate > 0.0 and not deterministic:
@@ -153,7 +154,7 @@ class MXAttention:
         if mask is not None:
             mask = jnp.asarray(mask) != 0  # Flax's masks may be 0/1 floats (nn.make_causal_mask)
         if self.recipe is None:
-            return jax.nn.dot_product_attention(query, key, value, bias, mask)
+            return jax.nn.dot_product_attention(query, key, value, bias, mask, is_causal=is_causal)
         batch = query.shape[:-3]
         flat = [x.reshape(-1, *x.shape[-3:]) for x in (query, key, value)]
         heads = (query.shape[-2], query.shape[-3], key.shape[-3])  # N, T, S
@@ -161,5 +162,5 @@ class MXAttention:
             None if x is None else jnp.broadcast_to(x, (*batch, *heads)).reshape(-1, *heads)
             for x in (bias, mask)
         )
-        out = jaxmx_attention(*flat, bias, mask, recipe=self.recipe)
+        out = jaxmx_attention(*flat, bias, mask, is_causal=is_causal, recipe=self.recipe)
         return out.reshape(*batch, *out.shape[1:])

@@ -545,15 +545,18 @@ def saved_residuals(fn, *args) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable", "names"])
 def test_scanned_remat_saves_what_a_stock_model_saves(policy):
-    """A scanned stack of MLP blocks under jax.checkpoint: the same residuals as the stock model,
-    plus, when the policy names them, only the 8-bit copies."""
+    """A scanned stack of transformer blocks under jax.checkpoint (jaxmx projections, MLP and
+    attention products against lax.dot_general and jax.nn.dot_product_attention): the same
+    residuals as the stock model, plus, when the policy names them, only the 8-bit copies."""
     names = jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE)
     chosen = names if policy == "names" else getattr(jax.checkpoint_policies, policy)
 
-    def model(dot_general):
-        def block(x, w):
-            h = jax.nn.gelu(dot_general(x, w[0], TN))
-            return x + dot_general(h, w[1], TN)
+    def model(dot_general, attention):
+        def block(x, w):  # x [32, 64]: causal self-attention (2 heads of 32), then an MLP
+            q, k, v = (dot_general(x, w[i], TN).reshape(1, 32, 2, 32) for i in range(3))
+            x = x + dot_general(attention(q, k, v, is_causal=True).reshape(32, 64), w[3], TN)
+            h = jax.nn.gelu(dot_general(x, w[4], TN))
+            return x + dot_general(h, w[5], TN)
 
         body = jax.checkpoint(block, policy=chosen)
 
@@ -566,11 +569,28 @@ def test_scanned_remat_saves_what_a_stock_model_saves(policy):
     def mx(a, b, dims):
         return jaxmx.dot_general(a, b, dims, recipe=EMULATE)
 
-    ws, x = jnp.ones((3, 2, 64, 64)) * 0.01, jnp.ones((32, 64))
-    stock = saved_residuals(model(jax.lax.dot_general), ws, x)
-    got = saved_residuals(model(mx), ws, x)
+    def mx_attention(*args, **kwargs):
+        return jaxmx.dot_product_attention(*args, **kwargs, recipe=EMULATE)
+
+    ws, x = jnp.ones((3, 6, 64, 64)) * 0.01, jnp.ones((32, 64))
+    stock = saved_residuals(model(jax.lax.dot_general, jax.nn.dot_product_attention), ws, x)
+    got = saved_residuals(model(mx, mx_attention), ws, x)
     if policy == "names":
         extra = [r for r in got if r[0] in ("float8_e4m3fn", "float8_e8m0fnu")]
-        assert len(extra) == 8  # codes and scales of two columnwise copies, two GEMMs
+        assert len(extra) == 4 * (6 + 2)  # codes, scales: two copies per GEMM, 8 GEMMs
         got = [r for r in got if r not in extra]
     assert got == stock
+
+
+def test_bad_argument_types_raise_type_errors():
+    x = jnp.ones((4, 32))
+    with pytest.raises(TypeError, match="key must be a PRNG key"):
+        jaxmx.quantize(x, key=123)
+    with pytest.raises(TypeError, match="axis must be an integer"):
+        jaxmx.quantize(x, axis=True)
+    with pytest.raises(TypeError, match="dimension_numbers"):
+        jaxmx.dot_general(x, x, (((1.7,), (1.2,)), ((), ())), recipe=EMULATE)
+    q = jaxmx.quantize(x)
+    for backend in ("emulate", "ffi"):
+        with pytest.raises(TypeError, match="out_dtype must be float32, bfloat16 or float16"):
+            jaxmx.matmul(q, q, jnp.int32, backend=backend)

@@ -276,3 +276,45 @@ def test_quantize_model_refuses_a_layer_with_dot_general_cls():
 
     with pytest.raises(ValueError, match="'proj' sets dot_general_cls"):
         mxnnx.quantize_model(Custom(nnx.Rngs(0)), MX)
+
+
+class TinyLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(16, 64, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, 64, decode=False, rngs=rngs)
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.down = nnx.Linear(128, 64, rngs=rngs)
+        self.head = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.attn(x, mask=nnx.make_causal_mask(tokens))
+        x = x + self.down(jax.nn.gelu(self.up(x)))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_quantized_attention_model_trains_like_high_precision(tokens, attention):
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def train(convert):
+        model = TinyLM(nnx.Rngs(0))
+        if convert:
+            mxnnx.quantize_model(model, MX, attention=attention)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            def loss_fn(m):
+                logits = m(inputs)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        return np.array([float(step(model, optimizer)) for _ in range(6)])
+
+    ref, mx = train(False), train(True)
+    assert ref[-1] < 0.95 * ref[0]  # it learns
+    np.testing.assert_allclose(mx, ref, rtol=0.01)

@@ -2,10 +2,14 @@
 
 ``import jaxmx`` never imports Flax; this subpackage does. Two APIs, one per Flax flavour:
 
-- :mod:`jaxmx.flax.linen`: ``Dense``, ``DenseGeneral``, ``Einsum`` and ``dot_general(recipe)``
-  (for the ``dot_general`` argument of stock ``flax.linen`` layers).
-- :mod:`jaxmx.flax.nnx`: ``Linear``, ``Einsum`` and ``quantize_model`` (converts an existing model's
-  ``nnx.Linear`` / ``nnx.Einsum`` layers in place).
+- :mod:`jaxmx.flax.linen`: ``Dense``, ``DenseGeneral``, ``Einsum``, ``dot_general(recipe)`` (for
+  the ``dot_general`` argument of stock ``flax.linen`` layers) and ``quantize_model`` (converts
+  an existing model without editing it).
+- :mod:`jaxmx.flax.nnx`: ``Linear``, ``Einsum`` and ``quantize_model`` (converts an existing
+  model's ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers in place).
+
+Both Flax APIs take :class:`MXAttention` as the ``attention_fn`` of their attention layers, for
+MX attention products.
 
 Every layer takes ``recipe=`` (default :data:`jaxmx.recipes.MXFP8`); ``recipe=None`` runs the
 plain high-precision ``lax.dot_general``, identical to the Flax layer. Parameters keep their

@@ -254,3 +254,25 @@ def test_quantized_transformer_lm_trains_like_high_precision():
     for attention in (False, True):
         mx = train(mxl.quantize_model(model, MX, attention=attention))
         np.testing.assert_allclose(mx, ref, rtol=0.01)
+
+
+def test_the_documented_linen_attention_hooks():
+    """Flax's own attention layer with every GEMM hook given a jaxmx callable."""
+    from jaxmx.flax import MXAttention, MXDotGeneral, MXEinsum
+
+    x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+
+    def gemms(layer) -> int:
+        params = layer.init(jax.random.key(0), x)
+        return str(jax.make_jaxpr(lambda p: layer.apply(p, x))(params)).count("custom_vjp_call")
+
+    hooks = dict(
+        qkv_dot_general_cls=lambda: MXDotGeneral(MX),
+        out_dot_general_cls=lambda: MXDotGeneral(MX),
+        qk_attn_weights_einsum_cls=lambda: MXEinsum(MX),
+        attn_weights_value_einsum_cls=lambda: MXEinsum(MX),
+    )
+    assert gemms(nn.MultiHeadDotProductAttention(4, **hooks)) == 6
+    as_fn = dict(qkv_dot_general=MXDotGeneral(MX), out_dot_general=MXDotGeneral(MX))
+    assert gemms(nn.MultiHeadDotProductAttention(4, attention_fn=MXAttention(MX), **as_fn)) == 6
+    assert gemms(nn.Dense(8, dot_general_cls=lambda: MXDotGeneral(MX))) == 1

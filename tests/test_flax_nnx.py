@@ -157,10 +157,9 @@ def test_quantize_model_include_exclude_rules():
     assert mxnnx.quantize_model(Net(nnx.Rngs(0)))["proj"].recipe == MX  # default recipe
 
 
-def test_jitted_optax_training_lowers_loss(tokens):
-    model = Net(nnx.Rngs(0))
-    mxnnx.quantize_model(model, MX)
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+def train_losses(model, tokens, steps: int, lr: float) -> np.ndarray:
+    """The losses of ``steps`` jitted Adam steps of next-token prediction on ``tokens``."""
+    optimizer = nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
     @nnx.jit
@@ -173,7 +172,13 @@ def test_jitted_optax_training_lowers_loss(tokens):
         optimizer.update(model, grads)
         return loss
 
-    losses = [float(step(model, optimizer)) for _ in range(30)]
+    return np.array([float(step(model, optimizer)) for _ in range(steps)])
+
+
+def test_jitted_optax_training_lowers_loss(tokens):
+    model = Net(nnx.Rngs(0))
+    mxnnx.quantize_model(model, MX)
+    losses = train_losses(model, tokens, 30, 1e-2)
     assert np.isfinite(losses).all()
     assert losses[-1] < 0.2 * losses[0], losses
     assert model.blocks[0].kernel.dtype == jnp.float32
@@ -295,25 +300,11 @@ class TinyLM(nnx.Module):
 
 @pytest.mark.parametrize("attention", [False, True])
 def test_quantized_attention_model_trains_like_high_precision(tokens, attention):
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-
     def train(convert):
         model = TinyLM(nnx.Rngs(0))
         if convert:
             mxnnx.quantize_model(model, MX, attention=attention)
-        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer):
-            def loss_fn(m):
-                logits = m(inputs)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-            loss, grads = nnx.value_and_grad(loss_fn)(model)
-            optimizer.update(model, grads)
-            return loss
-
-        return np.array([float(step(model, optimizer)) for _ in range(6)])
+        return train_losses(model, tokens, 6, 1e-3)
 
     ref, mx = train(False), train(True)
     assert ref[-1] < 0.95 * ref[0]  # it learns

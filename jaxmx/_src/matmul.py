@@ -23,7 +23,7 @@ from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.backends import per_platform
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
-from jaxmx._src.mxarray import MXArray, checked, swap_last_axes
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
 
 
 def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
@@ -78,12 +78,4 @@ def _check_operands(a: MXArray, b: MXArray) -> None:
                 f"([..., rows, K] or [..., K, rows]), got shape {q.shape} quantized along axis "
                 f"{q.axis}"
             )
-    if a.shape[a.axis] != b.shape[b.axis]:
-        raise ValueError(
-            f"matmul: contracting sizes differ, a has K={a.shape[a.axis]}, b has "
-            f"K={b.shape[b.axis]}"
-        )
-    if a.data.shape[:-2] != b.data.shape[:-2]:
-        raise ValueError(
-            f"matmul: batch shapes differ, a {a.data.shape[:-2]} vs b {b.data.shape[:-2]}"
-        )
+    check_gemm_pair(a, b, "matmul")

@@ -82,6 +82,20 @@ def swap_last_axes(q: MXArray) -> MXArray:
     return MXArray(q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2), q.fmt, len(shape) - 1, shape)
 
 
+def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
+    """Two checked GEMM operands, each blocked along K: the same K and the same batch dims."""
+    if a.shape[a.axis] != b.shape[b.axis]:
+        raise ValueError(
+            f"{where}: contracting sizes differ: a has K = {a.shape[a.axis]}, b has "
+            f"K = {b.shape[b.axis]}"
+        )
+    if a.data.shape[:-2] != b.data.shape[:-2]:
+        raise ValueError(
+            f"{where}: batch dimensions differ: a {a.data.shape[:-2]} vs b "
+            f"{b.data.shape[:-2]} (data shapes {a.data.shape} and {b.data.shape})"
+        )
+
+
 def checked(q, where: str) -> MXArray:
     """``q`` with ``jax.Array`` leaves, after checking that its fields agree with each other.
 

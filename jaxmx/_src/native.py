@@ -39,7 +39,7 @@ from jaxmx._src.backends import NATIVE_FORMATS
 from jaxmx._src.batching import vmappable
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import FORMATS
-from jaxmx._src.mxarray import MXArray, checked
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked
 from jaxmx._src.partitioning import partitioned_gemm
 from jaxmx._src.swizzle import swizzle_scales
 from jaxmx._src.vma import vary_like
@@ -79,16 +79,7 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     """
     a = _check_mx_operand(a, "a")
     b = _check_mx_operand(b, "b")
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(
-            f"mx_matmul: contracting sizes differ: a has K = {a.shape[-1]}, b has "
-            f"K = {b.shape[-1]}; operands are a [..., M, K] and b [..., N, K]"
-        )
-    if a.data.shape[:-2] != b.data.shape[:-2]:
-        raise ValueError(
-            f"mx_matmul: batch dimensions differ: a {a.data.shape[:-2]} vs b "
-            f"{b.data.shape[:-2]} (data shapes {a.data.shape} and {b.data.shape})"
-        )
+    check_gemm_pair(a, b, "mx_matmul")
     out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
     extension.register_targets()
     return _mx_call(out_dtype)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)

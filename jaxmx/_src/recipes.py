@@ -1,12 +1,10 @@
 """Recipe, the frozen description of how jaxmx.dot_general quantizes its GEMMs, and presets.
 
 Example:
-    >>> import jaxmx
-    >>> jaxmx.recipes.MXFP8
-    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest')
-    >>> jaxmx.Recipe(grad="mxfp8_e5m2") == jaxmx.recipes.MXFP8_HYBRID
-    True
-"""  # noqa: E501
+    >>> from jaxmx._src.recipes import MXFP8
+    >>> MXFP8.replace(backend="emulate").backend, hash(MXFP8) == hash(MXFP8.replace())
+    ('emulate', True)
+"""
 
 from __future__ import annotations
 

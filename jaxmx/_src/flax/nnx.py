@@ -5,16 +5,14 @@ arguments plus ``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain
 They only set Flax's own ``dot_general`` / ``einsum_op`` hook, so parameters (names, shapes,
 ``param_dtype``) and checkpoints are those of the stock layers.
 
-:func:`quantize_model` converts the ``nnx.Linear`` / ``nnx.Einsum`` layers of an existing model in
-place, leaving embeddings and output heads in high precision by default.
+:func:`quantize_model` converts the ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers of an
+existing model in place, leaving embeddings and output heads in high precision by default.
 
 Example:
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxmx.flax.nnx as mxnnx
-    >>> layer = mxnnx.Linear(32, 16, rngs=nnx.Rngs(0))
-    >>> layer(jnp.ones((4, 32))).shape, layer.kernel.dtype
-    ((4, 16), dtype('float32'))
+    >>> from jaxmx._src.flax.nnx import Linear
+    >>> Linear(32, 16, recipe=None, rngs=nnx.Rngs(0)).dot_general.recipe is None
+    True
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Example:
     64.0
 """
 
-from jaxmx import ffi, recipes
+from jaxmx import diagnostics, ffi, recipes
 from jaxmx._src.alignment import BlockShardingError
 from jaxmx._src.attention import dot_product_attention
 from jaxmx._src.backends import BACKENDS, backends
@@ -42,6 +42,7 @@ __all__ = [
     "__version__",
     "backends",
     "dequantize",
+    "diagnostics",
     "dot_general",
     "dot_product_attention",
     "einsum",

@@ -61,11 +61,11 @@ def quantize(
     check_scale_mode(scale_mode)
     x = jnp.asarray(x)
     _check_input(x)
-    axis = _normalize_axis(axis, x.ndim)
+    axis = normalize_axis(axis, x.ndim)
     check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
     if key is not None:
         key = _check_key(key)
-    xb = _blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+    xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
     data, scale = _quantize_blocks(xb, f, scale_mode, key)
     return MXArray(
         data=data.reshape(padded_shape(x.shape, axis, f.block)),
@@ -180,7 +180,7 @@ def _check_key(key) -> jax.Array:
     )
 
 
-def _normalize_axis(axis: int, ndim: int) -> int:
+def normalize_axis(axis: int, ndim: int) -> int:
     try:
         if isinstance(axis, bool):
             raise TypeError
@@ -192,7 +192,7 @@ def _normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-def _blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
+def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
     x = bits.upcast_exact(x)
     size = x.shape[axis]

@@ -1,0 +1,196 @@
+"""Per-block quantization statistics: where outliers widen a block's span, and what underflows.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmx import diagnostics
+    >>> x = jnp.concatenate([jnp.full(31, 1e-3), jnp.array([100.0])])  # one outlier in a block
+    >>> s = diagnostics.block_stats(x)
+    >>> int(s.scale_exp[0]), float(s.underflow[0]), float(s.flushed[0])
+    (-2, 0.96875, 0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmx._src import bits
+from jaxmx._src.dtypes import as_float_array
+from jaxmx._src.formats import check_scale_mode, get_format
+from jaxmx._src.quantize import (
+    blocked,
+    decode_elements,
+    normalize_axis,
+    quantize,
+    scale_exponent_bytes,
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockStats:
+    """Statistics of each quantization block (arrays shaped like ``quantize(x, ...).scale``).
+
+    Only a block's real elements count (never the zero padding of a partial last block).
+
+    Attributes:
+        amax: the largest magnitude (float32; NaN or inf in a block holding one).
+        scale_exp: the E8M0 exponent ``e`` of the block's scale ``2^e`` (int32; 128 marks the
+            NaN scale of a block holding NaN or inf).
+        span_ratio: ``amax / std`` (population standard deviation of the block's elements);
+            ``inf`` when the std is 0 and ``amax > 0``, 0 for an all-zero block.
+        underflow: the fraction of the block's non-zero elements ``x`` with ``|x| / 2^e`` below
+            the element format's smallest normal (``2^-6`` for E4M3, ``2^-14`` for E5M2, 1 for
+            E2M1): they lose precision as subnormals. 0 for an all-zero block.
+        flushed: the fraction of the block's non-zero elements that quantize to zero.
+        saturated: the fraction of non-zero elements with ``|x| / 2^e`` above the format's
+            largest value, i.e. clipped (0 under ``rceil``).
+        sqnr_db: ``10 log10(sum x^2 / sum (x - dequantized)^2)``; ``inf`` where the block is
+            reproduced exactly (an all-zero block included).
+
+    The fractions and ``sqnr_db`` are NaN for blocks holding NaN or inf.
+    """
+
+    amax: jax.Array
+    scale_exp: jax.Array
+    span_ratio: jax.Array
+    underflow: jax.Array
+    flushed: jax.Array
+    saturated: jax.Array
+    sqnr_db: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+
+    def summary(self, bins: int = 16) -> dict:
+        """Tail statistics over all blocks, as Python numbers and numpy histograms.
+
+        Keys: ``blocks``; ``span_ratio_p50`` / ``_p99`` / ``_max`` and, with ``span_limit`` the
+        format's full-precision span (``elem_max`` over its smallest normal: 28672 for E4M3),
+        ``frac_span_above_2^10`` and ``frac_span_above_limit``; ``frac_blocks_underflowing``
+        (blocks with any underflow), ``underflow_mean`` / ``_max``, ``flushed_mean`` / ``_max``,
+        ``saturated_max``; ``sqnr_db_min`` / ``_median``; ``nonfinite_blocks``; and histograms
+        ``span_ratio_log2_hist`` and ``underflow_hist`` as ``(counts, edges)``. NaN/inf blocks
+        are left out of every statistic but ``nonfinite_blocks``.
+        """
+        f = get_format(self.fmt)
+        finite = np.isfinite(np.asarray(self.amax)).ravel()
+
+        def values(a):  # the finite blocks' values of a statistic
+            return np.asarray(a, np.float64).ravel()[finite]
+
+        span, under, flushed = values(self.span_ratio), values(self.underflow), values(self.flushed)
+        saturated, sqnr = values(self.saturated), values(self.sqnr_db)
+        limit = f.elem_max / 2.0**f.emin
+        log_span = np.log2(span[(span > 0) & np.isfinite(span)])
+
+        def stat(fn, a, empty=0.0):
+            return float(fn(a)) if a.size else empty
+
+        def percentile(q):
+            return lambda a: np.percentile(a, q, method="nearest")
+
+        return {
+            "blocks": int(finite.sum()),
+            "nonfinite_blocks": int((~finite).sum()),
+            "span_limit": limit,
+            "span_ratio_p50": stat(percentile(50), span),
+            "span_ratio_p99": stat(percentile(99), span),
+            "span_ratio_max": stat(np.max, span),
+            "frac_span_above_2^10": stat(np.mean, span > 2.0**10),
+            "frac_span_above_limit": stat(np.mean, span > limit),
+            "frac_blocks_underflowing": stat(np.mean, under > 0),
+            "underflow_mean": stat(np.mean, under),
+            "underflow_max": stat(np.max, under),
+            "flushed_mean": stat(np.mean, flushed),
+            "flushed_max": stat(np.max, flushed),
+            "saturated_max": stat(np.max, saturated),
+            "sqnr_db_min": stat(np.min, sqnr, float("inf")),
+            "sqnr_db_median": stat(np.median, sqnr, float("inf")),
+            "span_ratio_log2_hist": np.histogram(log_span, bins=bins),
+            "underflow_hist": np.histogram(under, bins=bins, range=(0.0, 1.0)),
+        }
+
+
+def block_stats(
+    x: jax.Array, fmt: str = "mxfp8_e4m3", axis: int = -1, scale_mode: str = "rceil"
+) -> BlockStats:
+    """Statistics of each block of ``quantize(x, fmt, axis, scale_mode)`` (see :class:`BlockStats`).
+
+    Jittable; every statistic is computed from ``x`` in float32 (``bfloat16`` / ``float16``
+    inputs are upcast exactly) and the block's scale, with thresholds compared on the float32
+    bits, so subnormal inputs are classified exactly on every platform.
+    """
+    f = get_format(fmt)
+    check_scale_mode(scale_mode)
+    x = as_float_array(x, "block_stats: x")
+    if x.ndim == 0:
+        raise ValueError("block_stats expects an array of rank >= 1, got a scalar")
+    axis = normalize_axis(axis, x.ndim)
+    q = quantize(x, f.name, axis=axis, scale_mode=scale_mode)
+    xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner]
+    index = jnp.arange(xb.shape[1] * f.block).reshape(1, xb.shape[1], f.block, 1)
+    valid = index < x.shape[axis]
+    count = jnp.sum(valid, axis=2)  # elements per block: f.block, or fewer in the last
+    byte = scale_exponent_bytes(q.scale).reshape(xb.shape[0], xb.shape[1], 1, xb.shape[3])
+    is_nan_scale = byte == bits.E8M0_NAN
+    scale_exp = jnp.where(is_nan_scale, 128, byte - bits.EXPONENT_BIAS)
+
+    magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
+    amax_bits = jnp.max(magnitude_bits, axis=2)  # padding (zero) is never the maximum
+    amax, all_zero = bits.from_bits(amax_bits), ~_bits_less(jnp.zeros_like(amax_bits), amax_bits)
+    # Ratios are scale-free: compute them on the block divided by its scale (exact), whose values
+    # are at most elem_max, so no float32 arithmetic meets a subnormal block (XLA:CPU flushes).
+    scaled = bits.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))
+    codes = decode_elements(q.data, f).reshape(xb.shape)  # the block's values / 2^e, exactly
+    mean = jnp.sum(scaled, axis=2, keepdims=True) / count[:, :, None]
+    variance = jnp.sum(jnp.where(valid, (scaled - mean) ** 2, 0.0), axis=2) / count
+    std = jnp.sqrt(variance)
+    amax_scaled = jnp.max(jnp.abs(scaled), axis=2)
+    span = jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax_scaled / std))
+
+    # thresholds on the scaled value |x| / 2^e, moved to x's scale and compared as bits
+    smallest_normal = bits.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
+    largest = bits.ldexp_exact(jnp.float32(f.elem_max), scale_exp)
+    nonzero = valid & _bits_less(jnp.zeros_like(magnitude_bits), magnitude_bits)
+    n_nonzero = jnp.sum(nonzero, axis=2)
+
+    def fraction(condition):
+        hits = jnp.sum(nonzero & condition, axis=2)
+        return jnp.where(n_nonzero > 0, hits / jnp.maximum(n_nonzero, 1), 0.0)
+
+    underflow = fraction(_bits_less(magnitude_bits, bits.to_bits(smallest_normal)))
+    saturated = fraction(_bits_less(bits.to_bits(largest), magnitude_bits))
+    flushed = fraction(codes == 0)
+    signal = jnp.sum(scaled**2, axis=2)
+    noise = jnp.sum(jnp.where(valid, (scaled - codes) ** 2, 0.0), axis=2)
+    sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(signal / noise))
+
+    nonfinite = jnp.squeeze(is_nan_scale, 2)
+
+    def per_block(a, nan_where_nonfinite=True):
+        a = jnp.where(nonfinite, jnp.nan, a) if nan_where_nonfinite else a
+        return a.reshape(q.scale.shape)
+
+    return BlockStats(
+        amax=per_block(amax, nan_where_nonfinite=False),
+        scale_exp=per_block(jnp.squeeze(scale_exp, 2), nan_where_nonfinite=False),
+        span_ratio=per_block(span),
+        underflow=per_block(underflow),
+        flushed=per_block(flushed),
+        saturated=per_block(saturated),
+        sqnr_db=per_block(sqnr),
+        fmt=f.name,
+    )
+
+
+def _bits_less(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a < b`` for the bits of non-negative float32 values, subnormals included.
+
+    Compared field by field: XLA:CPU's compiler turns a plain integer comparison of a float's
+    masked bits into a float comparison, which treats subnormals as zero under its flush mode.
+    """
+    a_exp, b_exp = a >> bits.MANTISSA_BITS, b >> bits.MANTISSA_BITS
+    a_man, b_man = a & bits.MANTISSA_MASK, b & bits.MANTISSA_MASK
+    return (a_exp < b_exp) | ((a_exp == b_exp) & (a_man < b_man))

@@ -1,0 +1,107 @@
+"""jaxmx.diagnostics.block_stats against a numpy reference computed from its definitions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import jaxmx
+
+FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4")
+
+
+def reference_stats(x: np.ndarray, fmt: str, axis: int, mode: str) -> dict:
+    """Per block, from the definitions, in float64; blocks along ``axis`` moved last."""
+    spec = ref.SPECS[fmt]
+    data, scale = ref.quantize(x, fmt, mode, axis=axis)
+    decoded = ref.dequantize(data, scale, axis, x.shape)
+    xm = np.moveaxis(x.astype(np.float64), axis, -1)
+    dm = np.moveaxis(decoded, axis, -1)
+    sm = np.moveaxis(scale, axis, -1).astype(np.int64)
+    out = {k: np.zeros(sm.shape) for k in ("amax", "span", "under", "flushed", "sat", "sqnr")}
+    out["scale_exp"] = np.where(sm == 255, 128, sm - 127)
+    n = xm.shape[-1]
+    for idx in np.ndindex(sm.shape):
+        lo, hi = idx[-1] * 32, min(idx[-1] * 32 + 32, n)
+        v, d = xm[idx[:-1]][lo:hi], dm[idx[:-1]][lo:hi]
+        amax = np.max(np.abs(v))
+        out["amax"][idx] = amax
+        if not np.isfinite(amax):
+            for k in ("span", "under", "flushed", "sat", "sqnr"):
+                out[k][idx] = np.nan
+            continue
+        std = np.std(v)  # population
+        out["span"][idx] = 0.0 if amax == 0 else (np.inf if std == 0 else amax / std)
+        nz = v != 0
+        scaled = np.abs(v) / 2.0 ** float(out["scale_exp"][idx])
+        for key, hit in (
+            ("under", scaled < 2.0**spec.emin),
+            ("flushed", d == 0),
+            ("sat", scaled > spec.elem_max),
+        ):
+            out[key][idx] = np.sum(nz & hit) / np.sum(nz) if nz.any() else 0.0
+        noise = np.sum((v - d) ** 2)
+        out["sqnr"][idx] = np.inf if noise == 0 else 10 * np.log10(np.sum(v**2) / noise)
+    return {k: np.moveaxis(a, -1, axis) for k, a in out.items()}
+
+
+def adversarial(seed=0) -> np.ndarray:
+    """[6, 200] rows: normal, an outlier row, all zeros, subnormals, a NaN/inf row, tiny+huge."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((6, 200)).astype(np.float32)
+    x[1, 5] = 3e4  # one outlier widens its block
+    x[2] = 0.0
+    x[3] = rng.standard_normal(200).astype(np.float32) * np.float32(2.0**-140)  # subnormals
+    x[4, 40], x[4, 100] = np.nan, np.inf
+    x[5, ::7] *= 1e6  # several outliers: many elements underflow or flush
+    x[0, 64:96] = 1.0  # a constant block: std 0
+    return x  # 200 = 6 blocks and a partial one of 8: padding never counts
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_block_stats_equal_the_definitions(fmt, mode, axis):
+    x = adversarial()
+    x = x if axis == 1 else x.T.copy()
+    got = jax.jit(jaxmx.diagnostics.block_stats, static_argnums=(1, 2, 3))(
+        jnp.asarray(x), fmt, axis, mode
+    )
+    want = reference_stats(x, fmt, axis, mode)
+    np.testing.assert_array_equal(got.scale_exp, want["scale_exp"])
+    np.testing.assert_array_equal(got.amax, want["amax"].astype(np.float32))
+    for name, key in (("underflow", "under"), ("flushed", "flushed"), ("saturated", "sat")):
+        np.testing.assert_allclose(getattr(got, name), want[key], rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got.span_ratio, want["span"], rtol=1e-4)
+    np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
+
+
+def test_the_statistics_see_what_they_should():
+    s = jaxmx.diagnostics.block_stats(jnp.asarray(adversarial()))
+    assert float(s.span_ratio[0, 2]) == np.inf  # the constant block
+    assert float(s.span_ratio[2, 0]) == 0.0  # all zeros
+    assert float(s.span_ratio[1, 0]) > 5.5  # one outlier in 32: near the sqrt(32) maximum
+    assert float(s.underflow[5].max()) > 0.5  # blocks with 1e6 outliers
+    assert np.isnan(s.underflow[4, 1]) and int(s.scale_exp[4, 1]) == 128  # the NaN block
+    assert float(jnp.nanmax(s.saturated)) == 0.0  # rceil never saturates
+    floor = jaxmx.diagnostics.block_stats(jnp.full((32,), 480.0), scale_mode="floor")
+    assert float(floor.saturated[0]) == 1.0  # OCP floor clips the block maximum
+
+
+def test_summary():
+    x = jnp.asarray(adversarial())
+    summary = jaxmx.diagnostics.block_stats(x).summary()
+    assert summary["blocks"] + summary["nonfinite_blocks"] == 6 * 7
+    assert summary["nonfinite_blocks"] == 2
+    assert summary["span_limit"] == 448 / 2.0**-6
+    assert 0 < summary["frac_blocks_underflowing"] <= 1
+    counts, edges = summary["underflow_hist"]
+    assert counts.sum() == summary["blocks"] and edges[0] == 0 and edges[-1] == 1
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown MX format"):
+        jaxmx.diagnostics.block_stats(jnp.ones(32), "mxfp6")
+    with pytest.raises(TypeError, match="block_stats: x"):
+        jaxmx.diagnostics.block_stats(jnp.ones(32, jnp.int32))

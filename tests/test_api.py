@@ -11,8 +11,7 @@ import jaxmx
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PUBLIC_MODULES = ["jaxmx", "jaxmx.recipes", "jaxmx.ffi", "jaxmx.diagnostics", "jaxmx.flax",
-                  "jaxmx.flax.linen",
-                  "jaxmx.flax.nnx"]  # fmt: skip
+                  "jaxmx.flax.linen", "jaxmx.flax.nnx"]  # fmt: skip
 NAME = re.compile(r"\bjaxmx(?:\.[A-Za-z_]\w*)+")
 
 

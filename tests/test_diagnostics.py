@@ -105,3 +105,38 @@ def test_bad_input():
         jaxmx.diagnostics.block_stats(jnp.ones(32), "mxfp6")
     with pytest.raises(TypeError, match="block_stats: x"):
         jaxmx.diagnostics.block_stats(jnp.ones(32, jnp.int32))
+
+
+def test_the_limited_accumulator_drops_what_falls_below_its_bits():
+    """32 ones, then a 2^-20 among 31 more ones: aligned to the running sum (32 = 2^5), 14 bits
+    keep multiples of 2^-8, so 2^-20 is truncated away."""
+    from jaxmx._src.diagnostics import _limited_accumulation
+
+    products = np.ones((1, 1, 64))
+    products[..., 32] = 2.0**-20
+    assert _limited_accumulation(products, 14, 64, 32).item() == 63.0
+    assert _limited_accumulation(products, 40, 64, 32).item() == np.float32(63 + 2.0**-20)
+
+
+def test_gemm_probe_reproduces_the_accumulation_precision_story():
+    key = jax.random.key(0)
+
+    def error(k, **kw):
+        return jaxmx.diagnostics.gemm_probe(32, 32, k, distribution="uniform", key=key, **kw)
+
+    limited = [error(k, accum_bits=14)["max_rel"] for k in (256, 1024, 4096)]
+    assert limited[0] < limited[1] < limited[2]  # grows with K
+    assert 5e-3 < limited[2] < 0.2  # percent-level at K = 4096, as DeepSeek-V3 reports (~2%)
+    promoted = error(4096, accum_bits=14, promote_every=128)["max_rel"]
+    assert promoted < limited[2] / 10  # promotion every 128 elements: an order of magnitude
+    assert error(4096)["max_rel"] < promoted / 100  # exact float32 accumulation
+    normal = jaxmx.diagnostics.gemm_probe(32, 32, 1024, key=key)
+    assert normal["fro_rel"] < 1e-6 < 0.01 < normal["quantization_fro_rel"] < 0.1
+
+
+def test_gemm_probe_arguments():
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="promote_every needs accum_bits"):
+        jaxmx.diagnostics.gemm_probe(4, 4, 64, promote_every=128, key=key)
+    with pytest.raises(ValueError, match="distribution"):
+        jaxmx.diagnostics.gemm_probe(4, 4, 64, distribution="cauchy", key=key)

@@ -82,8 +82,9 @@ const std::array<double, 509>& ScaleProducts() {
   return table;
 }
 
-constexpr int64_t kTile = 4;    // micro-tile: 4 lhs rows x 4 rhs rows
-constexpr int64_t kPanel = 64;  // rhs rows decoded at a time (a panel of K-long rows)
+constexpr int64_t kTile = 4;      // micro-tile: 4 lhs rows x 4 rhs rows
+constexpr int64_t kPanel = 64;    // rhs rows decoded at a time
+constexpr int64_t kChunk = 2048;  // elements of K decoded at a time (a multiple of kBlock)
 
 struct Operands {
   const uint8_t* lhs;        // [m, k] codes
@@ -114,55 +115,58 @@ void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
         sb[r * nb + c] = op.rhs_scale[SwizzledOffset(r, c, cols_padded)];
   }
 
-  // lhs decoded to float64 rows of kp (zero padded), all at once.
-  std::vector<double> a(mp * kp, 0.0);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t c = 0; c < k; ++c) a[r * kp + c] = ta[op.lhs[r * k + c]];
-
-  // rhs decoded one panel at a time, interleaved by 4 rows: b[(j / 4) * kp * 4 + c * 4 + j % 4].
-  std::vector<double> b(kPanel * kp, 0.0);
-  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
-    const int64_t rows = std::min(kPanel, n - j0), tiles = (rows + kTile - 1) / kTile;
-    std::fill(b.begin(), b.end(), 0.0);
-    for (int64_t jj = 0; jj < rows; ++jj) {
-      const uint8_t* src = op.rhs + (j0 + jj) * k;
-      double* dst = b.data() + (jj / kTile) * kp * kTile + jj % kTile;
-      for (int64_t c = 0; c < k; ++c) dst[c * kTile] = tb[src[c]];
-    }
-    for (int64_t i0 = 0; i0 < m; i0 += kTile) {
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t jt = j0 + t * kTile;
-        const double* bt = b.data() + t * kp * kTile;
-        float acc[kTile][kTile] = {};
-        for (int64_t blk = 0; blk < nb; ++blk) {
-          double s[kTile][kTile] = {};
-          const int64_t c0 = blk * kBlock;
-          for (int64_t c = c0; c < c0 + kBlock; ++c) {
-            const double* bv = bt + c * kTile;
-            for (int64_t ii = 0; ii < kTile; ++ii) {
-              const double av = a[(i0 + ii) * kp + c];
-              for (int64_t jj = 0; jj < kTile; ++jj) s[ii][jj] += av * bv[jj];
+  // Working memory is bounded by tiles, whatever M, N and K: K is walked in chunks of kChunk,
+  // the rhs decoded kPanel rows at a time (interleaved by 4: b[(j / 4) * kc * 4 + c * 4 + j % 4])
+  // and the lhs kTile rows at a time. Each output accumulates its K-blocks in order, in float32.
+  const int64_t kc_max = std::min(kChunk, kp), panel = std::min(kPanel, RoundUp(n, kTile));
+  std::vector<double> a(kTile * kc_max), b(panel * kc_max);
+  std::vector<float> acc(m * n, 0.0f);
+  for (int64_t k0 = 0; k0 < kp; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, kp - k0), k_end = std::min(k, k0 + kc);
+    for (int64_t j0 = 0; j0 < n; j0 += panel) {
+      const int64_t rows = std::min(panel, n - j0), tiles = (rows + kTile - 1) / kTile;
+      std::fill(b.begin(), b.end(), 0.0);
+      for (int64_t jj = 0; jj < rows; ++jj) {
+        const uint8_t* src = op.rhs + (j0 + jj) * k;
+        double* dst = b.data() + (jj / kTile) * kc * kTile + jj % kTile;
+        for (int64_t c = k0; c < k_end; ++c) dst[(c - k0) * kTile] = tb[src[c]];
+      }
+      for (int64_t i0 = 0; i0 < m; i0 += kTile) {
+        std::fill(a.begin(), a.end(), 0.0);
+        for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii)
+          for (int64_t c = k0; c < k_end; ++c) a[ii * kc + c - k0] = ta[op.lhs[(i0 + ii) * k + c]];
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t jt = j0 + t * kTile;
+          const double* bt = b.data() + t * kc * kTile;
+          for (int64_t c0 = 0; c0 < kc; c0 += kBlock) {
+            const int64_t blk = (k0 + c0) / kBlock;
+            double s[kTile][kTile] = {};
+            for (int64_t c = c0; c < c0 + kBlock; ++c) {
+              const double* bv = bt + c * kTile;
+              for (int64_t ii = 0; ii < kTile; ++ii) {
+                const double av = a[ii * kc + c];
+                for (int64_t jj = 0; jj < kTile; ++jj) s[ii][jj] += av * bv[jj];
+              }
             }
-          }
-          for (int64_t ii = 0; ii < kTile; ++ii) {
-            const int ea = sa[(i0 + ii) * nb + blk];
-            for (int64_t jj = 0; jj < kTile; ++jj) {
-              const int eb = sb[(jt + jj) * nb + blk];
-              const double v = (ea == kE8M0NaN || eb == kE8M0NaN)
-                                   ? std::numeric_limits<double>::quiet_NaN()
-                                   : s[ii][jj] * pow2[ea + eb];
-              acc[ii][jj] += static_cast<float>(v);
+            for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii) {
+              const int ea = sa[(i0 + ii) * nb + blk];
+              for (int64_t jj = 0; jj < kTile && jt + jj < n; ++jj) {
+                const int eb = sb[(jt + jj) * nb + blk];
+                const double v = (ea == kE8M0NaN || eb == kE8M0NaN)
+                                     ? std::numeric_limits<double>::quiet_NaN()
+                                     : s[ii][jj] * pow2[ea + eb];
+                acc[(i0 + ii) * n + jt + jj] += static_cast<float>(v);
+              }
             }
           }
         }
-        for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii)
-          for (int64_t jj = 0; jj < kTile && jt + jj < n; ++jj) {
-            float v = acc[ii][jj];
-            if (op.tensor_scale != 1.0) v = static_cast<float>(v * op.tensor_scale);
-            store((i0 + ii) * n + jt + jj, v);
-          }
       }
     }
+  }
+  for (int64_t i = 0; i < m * n; ++i) {
+    float v = acc[i];
+    if (op.tensor_scale != 1.0) v = static_cast<float>(v * op.tensor_scale);
+    store(i, v);
   }
 }
 

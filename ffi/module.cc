@@ -48,13 +48,19 @@ using Bytes2D = nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>;
 
 Bytes2D Unswizzle(Bytes1D buf, int64_t rows, int64_t cols) {
   if (rows < 0 || cols < 0) throw nb::value_error("rows and cols must be non-negative");
-  const int64_t want = jaxmx::SwizzledSize(rows, cols);
+  const std::optional<int64_t> size = jaxmx::SwizzledSize(rows, cols);
+  int64_t elements = 0;
+  if (!size || __builtin_mul_overflow(rows, cols, &elements))
+    throw nb::value_error(("a " + std::to_string(rows) + "x" + std::to_string(cols) +
+                           " scale matrix is too large: its size overflows 64 bits")
+                              .c_str());
+  const int64_t want = *size;
   if (static_cast<int64_t>(buf.shape(0)) != want)
     throw nb::value_error(("a swizzled buffer of " + std::to_string(rows) + "x" +
                            std::to_string(cols) + " scales has " + std::to_string(want) +
                            " bytes, got " + std::to_string(buf.shape(0)))
                               .c_str());
-  auto* out = new uint8_t[rows * cols > 0 ? rows * cols : 1];
+  auto* out = new uint8_t[elements > 0 ? elements : 1];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<uint8_t*>(p); });
   jaxmx::UnswizzleScales(buf.data(), rows, cols, out);
   return Bytes2D(out, {static_cast<size_t>(rows), static_cast<size_t>(cols)}, owner);

@@ -125,7 +125,11 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
                                    " scales must be uint8 or float8_e8m0fnu (swizzled), got " +
                                    DataTypeName(t));
       const auto sd = sc.dimensions();
-      const int64_t want = SwizzledSize(rows[s], kb);
+      const std::optional<int64_t> size = SwizzledSize(rows[s], kb);
+      if (!size)
+        return Invalid(target, std::string(names[s]) + " scales of a [" + std::to_string(rows[s]) +
+                                   ", " + std::to_string(kb) + "] matrix overflow 64 bits");
+      const int64_t want = *size;
       bool ok = sd.size() == rank - 1 && sd[rank - 2] == want;
       for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
       if (!ok) {
@@ -137,8 +141,8 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
         return Invalid(target, os.str());
       }
     }
-    p.lhs_scale_stride = SwizzledSize(p.m, kb);
-    p.rhs_scale_stride = SwizzledSize(p.n, kb);
+    p.lhs_scale_stride = *SwizzledSize(p.m, kb);  // both checked above
+    p.rhs_scale_stride = *SwizzledSize(p.n, kb);
   } else {
     const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
     const char* names[2] = {"lhs", "rhs"};

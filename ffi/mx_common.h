@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -21,9 +22,15 @@ inline constexpr int64_t kColTile = 4;    // ... by 4 K-blocks, 512 bytes
 
 inline constexpr int64_t RoundUp(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// Bytes of the swizzled scale buffer of one [rows, cols] scale matrix (padding included).
-inline constexpr int64_t SwizzledSize(int64_t rows, int64_t cols) {
-  return RoundUp(rows, kRowTile) * RoundUp(cols, kColTile);
+// Bytes of the swizzled scale buffer of one [rows, cols] scale matrix (padding included), for
+// rows, cols >= 0; std::nullopt where the padded size does not fit in int64.
+inline std::optional<int64_t> SwizzledSize(int64_t rows, int64_t cols) {
+  int64_t r = 0, c = 0, size = 0;
+  if (__builtin_add_overflow(rows, kRowTile - 1, &r) ||
+      __builtin_add_overflow(cols, kColTile - 1, &c) ||
+      __builtin_mul_overflow(r / kRowTile * kRowTile, c / kColTile * kColTile, &size))
+    return std::nullopt;
+  return size;
 }
 
 // Offset of scale (r, c) in the cuBLAS 128x4 tiled layout (docs/quantization.md), where

@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import os
 import site
+import subprocess
+import sys
 import sysconfig
 
 import jax
@@ -444,3 +446,40 @@ def test_cuda_libraries_resolve_when_installed():
     assert info["loaded"], info["error"]
     assert info["cublaslt_version"] >= 120800
     assert info["cudart_version"] > 0
+
+
+def test_sizes_that_overflow_64_bits_are_refused():
+    """2^62 rows of scales: the padded size wraps in int64; refused, not read past a buffer."""
+    with pytest.raises(ValueError, match="overflows 64 bits"):
+        _ffi.unswizzle_scales(np.zeros(0, np.uint8), 2**62, 4)
+    with pytest.raises(ValueError, match="overflows 64 bits"):
+        _ffi.unswizzle_scales(np.zeros(0, np.uint8), 2**40, 2**40)
+
+
+PEAK_SCRIPT = """
+import resource, sys
+import jax.numpy as jnp, jaxmx
+from jaxmx import ffi
+a = jaxmx.quantize(jnp.ones((1, 2**20)))
+jaxmx.matmul(a, a, jnp.float32, backend=sys.argv[1]).block_until_ready()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_the_cpu_handler_memory_is_bounded_by_tiles():
+    """M = N = 1, K = 2^20 (1 MiB of codes per operand): the handler's working memory is a few
+    tiles, not a float64 copy of a 64-row panel of K (512 MiB). Peak memory of the same program
+    on the native backend and on the emulation, each in a fresh process."""
+
+    def peak_mib(backend: str) -> float:
+        out = subprocess.run(
+            [sys.executable, "-c", PEAK_SCRIPT, backend],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        return int(out.stdout.split()[-1]) / 1024  # ru_maxrss is in KiB on Linux
+
+    extra = peak_mib("ffi") - peak_mib("emulate")
+    assert extra < 64, f"the CPU handler's peak is {extra:.0f} MiB above the emulation's"

@@ -83,6 +83,10 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
   if (!IsFp8(p.rhs_type))
     return Invalid(target, std::string("rhs must be float8_e4m3fn or float8_e5m2, got ") +
                                DataTypeName(p.rhs_type));
+  if (p.lhs_type == ffi::DataType::F8E5M2 && p.rhs_type == ffi::DataType::F8E5M2)
+    return Invalid(target,
+                   "float8_e5m2 x float8_e5m2 is not supported: cuBLASLt's FP8 GEMMs (per-tensor "
+                   "and block-scaled) take E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3");
   if (!IsGemmOutput(p.out_type))
     return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
                                DataTypeName(p.out_type));

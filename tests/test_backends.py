@@ -35,6 +35,8 @@ def test_auto_uses_the_native_gemm_on_cuda_only(capable_gpu):
 
 def test_auto_never_sends_formats_without_a_native_gemm_to_it(capable_gpu):
     assert backends.per_platform("auto", ("mxfp8_e4m3", "mxfp4")) == {"default": "emulate"}
+    # cuBLASLt has no E5M2 x E5M2 kernel
+    assert backends.per_platform("auto", ("mxfp8_e5m2", "mxfp8_e5m2")) == {"default": "emulate"}
 
 
 def test_auto_emulates_where_no_device_runs_the_native_gemm(monkeypatch):

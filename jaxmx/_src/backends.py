@@ -28,7 +28,14 @@ BACKENDS = ("auto", "emulate", "ffi")
 """The values of ``backend=`` / ``Recipe.backend``."""
 
 NATIVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
-"""The formats the native MX GEMM takes."""
+"""The formats the native MX GEMM takes, in any pair but E5M2 x E5M2 (cuBLASLt's FP8 type table
+has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3)."""
+
+
+def native_pair(formats: tuple[str, ...]) -> bool:
+    """Whether the native MX GEMM takes operands of these formats."""
+    return all(f in NATIVE_FORMATS for f in formats) and set(formats) != {"mxfp8_e5m2"}
+
 
 _MX_COMPUTE_CAPABILITY = (10, 0)
 _MIN_CUBLASLT = 120800  # MX block scaling (VEC32_UE8M0) arrived in cuBLASLt 12.8
@@ -45,12 +52,12 @@ def per_platform(backend: str, formats: tuple[str, ...]) -> dict[str, str]:
     """The backend that runs on each lowering platform: ``{"default": ..., "cuda": ...}``.
 
     ``"cuda"`` is present only where it differs from the default, i.e. for ``"auto"`` on a host
-    whose CUDA device runs the native MX GEMM for every one of ``formats``.
+    whose CUDA device runs the native MX GEMM, for ``formats`` it takes (:func:`native_pair`).
     """
     check_backend(backend)
     if backend != "auto":
         return {"default": backend}
-    if all(f in NATIVE_FORMATS for f in formats) and cublaslt_supported():
+    if native_pair(formats) and cublaslt_supported():
         return {"default": "emulate", "cuda": "ffi"}
     return {"default": "emulate"}
 

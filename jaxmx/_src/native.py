@@ -35,7 +35,7 @@ from jax.interpreters import mlir
 
 from jaxmx._src import bits, extension
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.backends import NATIVE_FORMATS
+from jaxmx._src.backends import NATIVE_FORMATS, native_pair
 from jaxmx._src.batching import vmappable
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import FORMATS
@@ -79,6 +79,12 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     """
     a = _check_mx_operand(a, "a")
     b = _check_mx_operand(b, "b")
+    if not native_pair((a.fmt, b.fmt)):
+        raise NotImplementedError(
+            "mx_matmul: mxfp8_e5m2 x mxfp8_e5m2 is not supported by the native GEMM (cuBLASLt "
+            "has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3); use the emulation backend, or E4M3 "
+            "for one operand"
+        )
     check_gemm_pair(a, b, "mx_matmul")
     out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
     extension.register_targets()

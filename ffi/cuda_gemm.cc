@@ -406,7 +406,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
                     Alignment(lhs.untyped_data(), p.m * p.k, p.batch),
                     Alignment(rhs.untyped_data(), p.n * p.k, p.batch),
                     Alignment(out->untyped_data(), out_bytes, p.batch),
-                    static_cast<uint64_t>(workspace->size_bytes())};
+                    AlignWorkspace(workspace->untyped_data(), workspace->size_bytes()).size};
   Plan* plan;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -423,6 +423,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
   }
 
   const float alpha = 1.0f, beta = 0.0f;
+  const AlignedWorkspace ws = AlignWorkspace(workspace->untyped_data(), workspace->size_bytes());
   const auto* a_data = static_cast<const uint8_t*>(rhs.untyped_data());
   const auto* b_data = static_cast<const uint8_t*>(lhs.untyped_data());
   const auto* a_scale = static_cast<const uint8_t*>(rhs_scale.untyped_data());
@@ -444,7 +445,7 @@ ffi::Error GemmCuda(const char* target, ScaleKind kind, cudaStream_t stream, int
     void* dg = d + g * out_bytes;
     s = api.cublasLtMatmul(dev->handle, plan->desc, &alpha, a_data + g * p.n * p.k, plan->a,
                            b_data + g * p.m * p.k, plan->b, &beta, dg, plan->d, dg, plan->d,
-                           &plan->algo, workspace->untyped_data(), workspace->size_bytes(), stream);
+                           &plan->algo, ws.data, ws.size, stream);
     if (s != CUBLAS_STATUS_SUCCESS)
       return ffi::Error::Internal(name() + ": " + CublasError(api, "cublasLtMatmul", s));
   }

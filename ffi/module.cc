@@ -100,6 +100,15 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", &Registrations,
         "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
   m.def("build_info", &BuildInfo, "How the extension was built (CUDA header versions, compiler).");
+  m.def(
+      "align_workspace",
+      [](uint64_t address, uint64_t size) {
+        const auto ws = jaxmx::AlignWorkspace(reinterpret_cast<void*>(address), size);
+        return nb::make_tuple(reinterpret_cast<uintptr_t>(ws.data) - address, ws.size);
+      },
+      nb::arg("address"), nb::arg("size"),
+      "(offset, usable bytes) of the 256-byte aligned cuBLASLt workspace the CUDA handler "
+      "takes from an XLA buffer at `address` of `size` bytes.");
   m.def("unswizzle_scales", &Unswizzle, nb::arg("buf"), nb::arg("rows"), nb::arg("cols"),
         "Reads a swizzled (cuBLAS 128x4 tiled) uint8 scale buffer back to [rows, cols], with the "
         "same C++ layout code the CPU GEMM handler uses.");

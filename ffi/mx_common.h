@@ -40,6 +40,24 @@ inline constexpr int64_t SwizzledOffset(int64_t r, int64_t c, int64_t cols_padde
          (c % 4);
 }
 
+// cuBLASLt requires a 256-byte aligned workspace; XLA's buffers need not be. The custom calls
+// ask XLA for kWorkspaceAlignment extra bytes and hand cuBLASLt the aligned part, always
+// size - kWorkspaceAlignment bytes long (so plans keyed by the size do not depend on where XLA
+// put the buffer). A buffer too small to align gives size 0.
+inline constexpr uint64_t kWorkspaceAlignment = 256;
+
+struct AlignedWorkspace {
+  void* data;
+  uint64_t size;
+};
+
+inline AlignedWorkspace AlignWorkspace(void* data, uint64_t size) {
+  if (size < kWorkspaceAlignment) return {data, 0};
+  const uintptr_t p = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t aligned = (p + kWorkspaceAlignment - 1) & ~uintptr_t{kWorkspaceAlignment - 1};
+  return {reinterpret_cast<void*>(aligned), size - kWorkspaceAlignment};
+}
+
 // --- element decoding ------------------------------------------------------------------------
 
 inline float BitsToFloat(uint32_t u) {

@@ -499,3 +499,19 @@ def test_the_cpu_handler_memory_is_bounded_by_tiles():
 
     extra = peak_mib("ffi") - peak_mib("emulate")
     assert extra < 64, f"the CPU handler's peak is {extra:.0f} MiB above the emulation's"
+
+
+def test_the_cuda_workspace_handed_to_cublaslt_is_256_byte_aligned():
+    """cuBLASLt needs a 256-byte aligned workspace; XLA's buffer may start anywhere. The custom
+    call asks for 256 extra bytes and the handler passes on an aligned part of a fixed size."""
+    size = ffi.WORKSPACE_BYTES + 256
+    for address in range(0x1000, 0x1000 + 512, 8):
+        offset, usable = _ffi.align_workspace(address, size)
+        assert (address + offset) % 256 == 0
+        assert usable == ffi.WORKSPACE_BYTES and offset + usable <= size
+    assert _ffi.align_workspace(0x1008, 100) == (0, 0)  # too small to align: no workspace
+    if not _ffi.has_cuda:
+        pytest.skip("this build has no cuBLASLt handler to lower for CUDA (CI has one)")
+    a = quantize(jnp.ones((4, 64)))
+    text = jax.jit(ffi.mx_matmul).trace(a, a).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tensor<{size}xui8>" in text

@@ -48,7 +48,8 @@ MX_TARGET = "jaxmx_mx_matmul"
 FP8_TARGET = "jaxmx_fp8_matmul"
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
-"""cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only)."""
+"""cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only), plus
+256 bytes so that the handler can hand cuBLASLt a 256-byte aligned part of this size."""
 
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _N_MULTIPLE = 16  # cuBLASLt: rows of out^T padded so every row of out starts 16-byte aligned
@@ -239,7 +240,7 @@ def _fp8_call(out_dtype):
 # --- the custom call on each platform --------------------------------------------------------
 
 # (platform, workspace bytes, rows of the rhs padded to a multiple of)
-_PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES, _N_MULTIPLE))
+_PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES + 256, _N_MULTIPLE))
 
 
 def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:

@@ -95,10 +95,7 @@ def dot_general(
         raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
     lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
     rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
-    if recipe.grad_rounding == "nearest":
-        key = None
-    elif key is None:
-        key = keys.next_key()  # may stay None: only a gradient needs it (checked there)
+    key = keys.gradient_key(recipe.grad_rounding, key)
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
     out_dtype = check_float_dtype(
         preferred_element_type or jnp.result_type(lhs, rhs),
@@ -236,11 +233,8 @@ def _mx_bmm_fwd(static: _Static, x, w, key):
 
 def _forward(static: _Static, x, w, key, training: bool):
     r = static.recipe
-    if training and r.grad_rounding == "stochastic" and key is None:
-        raise ValueError(
-            "recipe.grad_rounding='stochastic' needs a PRNG key to round the gradient: pass "
-            "key=..., or call inside `with jaxmx.stochastic_rounding(key):`"
-        )
+    if training:
+        keys.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
     y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
@@ -263,9 +257,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         x_col, w_col = x_saved, w_saved
     else:
         x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
-    row_key = col_key = None
-    if key is not None:
-        row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    row_key, col_key = keys.copy_keys(key)
     g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
     g_col = _colwise(g, r.grad, r, col_key)  # along M
     dx = matmul(g_row, w_col, static.lhs_dtype, r.backend)  # [B, M, K], reduces N

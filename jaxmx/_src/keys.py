@@ -25,7 +25,7 @@ import dataclasses
 
 import jax
 
-__all__ = ["next_key", "stochastic_rounding"]
+__all__ = ["copy_keys", "gradient_key", "next_key", "require_gradient_key", "stochastic_rounding"]
 
 
 @dataclasses.dataclass
@@ -58,3 +58,29 @@ def next_key() -> jax.Array | None:
         return None
     source.count += 1
     return jax.random.fold_in(source.key, source.count - 1)
+
+
+def gradient_key(grad_rounding: str, key: jax.Array | None) -> jax.Array | None:
+    """The key a GEMM's gradient rounds with: none for ``"nearest"``, else ``key`` or the next key
+    of an enclosing :func:`stochastic_rounding` block (``None`` outside one: only taking a
+    gradient needs it, see :func:`require_gradient_key`)."""
+    if grad_rounding == "nearest":
+        return None
+    return next_key() if key is None else key
+
+
+def require_gradient_key(grad_rounding: str, key: jax.Array | None) -> None:
+    """Raises the ValueError that says how to supply a key, when a gradient needs one."""
+    if grad_rounding == "stochastic" and key is None:
+        raise ValueError(
+            "recipe.grad_rounding='stochastic' needs a PRNG key to round the gradient: pass "
+            "key=..., or call inside `with jaxmx.stochastic_rounding(key):`"
+        )
+
+
+def copy_keys(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The keys of the output gradient's rowwise and columnwise copies: ``fold_in(key, 0)`` and
+    ``fold_in(key, 1)`` (``None`` for both without a key)."""
+    if key is None:
+        return None, None
+    return jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)

@@ -87,10 +87,7 @@ def ragged_dot(
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.ragged_dot: preferred_element_type",
     )
-    if recipe.grad_rounding == "nearest":
-        key = None
-    elif key is None:
-        key = keys.next_key()
+    key = keys.gradient_key(recipe.grad_rounding, key)
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key)
 
@@ -143,11 +140,7 @@ def _forward(static: _Static, lhs, rhs, group_sizes, key):
 
 def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
     r = static.recipe
-    if r.grad_rounding == "stochastic" and key is None:
-        raise ValueError(
-            "recipe.grad_rounding='stochastic' needs a PRNG key to round the gradient: pass "
-            "key=..., or call inside `with jaxmx.stochastic_rounding(key):`"
-        )
+    keys.require_gradient_key(r.grad_rounding, key)
     y, _ = _forward(static, lhs, rhs, group_sizes, key)
     block = get_format(r.fwd).block
     lhs_by_group, _ = group_padded(lhs, group_sizes, block)
@@ -161,9 +154,7 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
 def _ragged_bwd(static: _Static, residuals, g):
     r = static.recipe
     (lhs_col, rhs_by_n), group_sizes, key = residuals
-    row_key = col_key = None
-    if key is not None:
-        row_key, col_key = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    row_key, col_key = keys.copy_keys(key)
     dlhs = lax.ragged_dot(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),
         dequantize(rhs_by_n).swapaxes(1, 2),

@@ -56,7 +56,7 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
             out = lax.dot_general(
                 a_values,
                 b_values,
-                (((_k_axis(a),), (_k_axis(b),)), (batch, batch)),
+                (((a.data_axis,), (b.data_axis,)), (batch, batch)),
                 preferred_element_type=jnp.float32,
             )
             shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
@@ -69,16 +69,11 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     return lax.platform_dependent(a, b, cpu=run(jnp.float32), default=run(jnp.bfloat16))
 
 
-def _k_axis(q: MXArray) -> int:
-    """The index of K among the axes of ``q.data``: last, or second to last (K-first)."""
-    return q.data.ndim - 1 if q.axis == q.ndim - 1 else q.data.ndim - 2
-
-
 def _decode(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
     """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
     row's values decoded relative to its largest (finite) scale, so at most ``elem_max``."""
     f = q.format
-    data, k = q.data, _k_axis(q)
+    data, k = q.data, q.data_axis
     n_blocks = q.scale.shape[k]
     # blocks: [..., rows, KB, block] (K last) or [..., KB, block, rows] (K first)
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])

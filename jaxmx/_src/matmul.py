@@ -46,8 +46,7 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
     _check_operands(a, b)
     out_dtype = check_float_dtype(out_dtype, "matmul: out_dtype")
     for name, q in (("a", a), ("b", b)):
-        k = q.data.ndim - 1 if q.axis == q.ndim - 1 else q.data.ndim - 2
-        axis = ReducedAxis(k, "K", "the contracting dimension")
+        axis = ReducedAxis(q.data_axis, "K", "the contracting dimension")
         check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
     runners = {
         platform: _RUNNERS[name] for platform, name in per_platform(backend, (a.fmt, b.fmt)).items()

@@ -54,6 +54,12 @@ class MXArray:
         return len(self.shape)
 
     @property
+    def data_axis(self) -> int:
+        """The index of the block axis among the axes of ``data`` (which may have more or fewer
+        leading dims than ``shape`` under ``vmap``)."""
+        return self.axis + self.data.ndim - self.ndim
+
+    @property
     def nbytes(self) -> int:
         """Storage of data and scales in bytes (E2M1 counted as half a byte per element)."""
         return self.data.size * self.format.bits // 8 + self.scale.size

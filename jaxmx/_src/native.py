@@ -105,7 +105,7 @@ def _check_mx_operand(q, name: str) -> MXArray:
             f"got axis {q.axis} of logical shape {q.shape}; quantize the transposed tensor "
             "(jaxmx.quantize_rowwise_colwise gives both copies)"
         )
-    k = ReducedAxis(q.data.ndim - 1, "K", "the contracting dimension")
+    k = ReducedAxis(q.data_axis, "K", "the contracting dimension")
     check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
     return q
 

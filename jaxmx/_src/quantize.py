@@ -101,8 +101,7 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     # XLA's constant folder mis-evaluates the bit manipulation below on transposed float8
     # constants (e.g. quantized jit-captured arrays): the barrier keeps it out of folding.
     q = lax.optimization_barrier(q)
-    batch = q.data.ndim - q.ndim  # leading dims added by vmap around a quantize
-    axis = q.axis + batch
+    axis = q.data_axis
     outer = math.prod(q.data.shape[:axis])
     n_blocks = q.scale.shape[axis]
     inner = math.prod(q.data.shape[axis + 1 :])

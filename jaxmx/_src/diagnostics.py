@@ -20,6 +20,7 @@ import numpy as np
 from jaxmx._src import bits
 from jaxmx._src.dtypes import as_float_array
 from jaxmx._src.formats import check_scale_mode, get_format
+from jaxmx._src.matmul import matmul
 from jaxmx._src.quantize import (
     blocked,
     decode_elements,
@@ -213,7 +214,7 @@ def gemm_probe(
     Both operands are quantized along K (``fmt``, ``rceil``); their exact MX product (float64) is
     the reference, so the error measured is the accumulation's alone. The accumulation model:
 
-    - ``accum_bits=None``: float32 accumulation, one product at a time, in K order;
+    - ``accum_bits=None``: float32 accumulation (the emulated GEMM);
     - ``accum_bits=b``: in steps of 32 products, the running sum and the 32 products are aligned
       to the largest exponent among them and truncated (toward zero) to ``b`` bits below it,
       then added (the model of Hopper's FP8 tensor cores in DeepSeek-V3's report, which keeps
@@ -221,6 +222,9 @@ def gemm_probe(
     - ``promote_every=c`` (a multiple of 32, with ``accum_bits``): every ``c`` elements of K the
       limited sum is added to a float32 accumulator and restarted, as DeepSeek-V3 does with
       ``c = 128``.
+
+    The same accumulator is available to training as ``Recipe(accum_bits=b, promote_every=c)``
+    (:func:`jaxmx.matmul` takes both too).
 
     Args:
         m, n, k: the GEMM's sizes.
@@ -238,26 +242,17 @@ def gemm_probe(
     f = get_format(fmt)
     if distribution not in ("normal", "uniform"):
         raise ValueError(f"distribution must be 'normal' or 'uniform', got {distribution!r}")
-    if promote_every is not None and (accum_bits is None or promote_every % f.block):
-        raise ValueError(
-            f"promote_every needs accum_bits and must be a multiple of {f.block}, got "
-            f"promote_every={promote_every}, accum_bits={accum_bits}"
-        )
     a_key, b_key = jax.random.split(key)
     if distribution == "normal":
         a, b = jax.random.normal(a_key, (m, k)), jax.random.normal(b_key, (n, k))
     else:
         a, b = (jax.random.uniform(s, shape) for s, shape in ((a_key, (m, k)), (b_key, (n, k))))
-    a_q = np.asarray(dequantize(quantize(a, f.name)), np.float64)
-    b_q = np.asarray(dequantize(quantize(b, f.name)), np.float64)
-    products = a_q[:, None, :] * b_q[None, :, :]  # [m, n, k], exact in float64
-    exact = products.sum(-1)
-    if accum_bits is None:
-        result = np.zeros((m, n), np.float32)
-        for i in range(k):
-            result = result + products[..., i].astype(np.float32)
-    else:
-        result = _limited_accumulation(products, accum_bits, promote_every or k, f.block)
+    a_q, b_q = quantize(a, f.name), quantize(b, f.name)
+    result = matmul(
+        a_q, b_q, jnp.float32, "emulate", accum_bits=accum_bits, promote_every=promote_every
+    )
+    a_q, b_q = (np.asarray(dequantize(q), np.float64) for q in (a_q, b_q))
+    exact = a_q @ b_q.T  # float64: its rounding is far below any accumulator modelled here
     error = np.asarray(result, np.float64) - exact
     unquantized = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
     return {
@@ -267,19 +262,3 @@ def gemm_probe(
             np.linalg.norm(exact - unquantized) / np.linalg.norm(unquantized)
         ),
     }
-
-
-def _limited_accumulation(products: np.ndarray, bits_kept: int, promote: int, step: int):
-    """The truncating accumulator of :func:`gemm_probe` over the last axis of ``products``."""
-    total = np.zeros(products.shape[:-1], np.float32)
-    limited = np.zeros(products.shape[:-1])
-    k = products.shape[-1]
-    for start in range(0, k, step):
-        values = np.concatenate([limited[..., None], products[..., start : start + step]], -1)
-        _, exponent = np.frexp(np.abs(values).max(-1, keepdims=True))  # max = f 2^e, f in [.5, 1)
-        quantum = np.ldexp(1.0, exponent - bits_kept)
-        limited = (np.trunc(values / quantum) * quantum).sum(-1)
-        if (start + step) % promote == 0 or start + step >= k:
-            total = total + limited.astype(np.float32)
-            limited = np.zeros_like(limited)
-    return total

@@ -237,7 +237,7 @@ def _forward(static: _Static, x, w, key, training: bool):
         keys.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
-    y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
+    y = _gemm(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r)
     if not training:
         return y, None
     if r.residuals == "quantized":
@@ -260,9 +260,15 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     row_key, col_key = keys.copy_keys(key)
     g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
     g_col = _colwise(g, r.grad, r, col_key)  # along M
-    dx = matmul(g_row, w_col, static.lhs_dtype, r.backend)  # [B, M, K], reduces N
-    dw = matmul(g_col, x_col, static.rhs_dtype, r.backend)  # [B, N, K], reduces M
+    dx = _gemm(g_row, w_col, static.lhs_dtype, r)  # [B, M, K], reduces N
+    dw = _gemm(g_col, x_col, static.rhs_dtype, r)  # [B, N, K], reduces M
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
+
+
+def _gemm(a: MXArray, b: MXArray, out_dtype, r: Recipe) -> jax.Array:
+    return matmul(
+        a, b, out_dtype, r.backend, accum_bits=r.accum_bits, promote_every=r.promote_every
+    )
 
 
 def _vma_like(ct, primal):

@@ -49,8 +49,8 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
 
     def run(operand_dtype):
         def gemm(a, b):
-            a_values, a_shift = _decode(a, operand_dtype)
-            b_values, b_shift = _decode(b, operand_dtype)
+            a_values, a_shift = decode_rows(a, operand_dtype)
+            b_values, b_shift = decode_rows(b, operand_dtype)
             nd = a.data.ndim
             batch = tuple(range(nd - 2))
             out = lax.dot_general(
@@ -69,7 +69,7 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     return lax.platform_dependent(a, b, cpu=run(jnp.float32), default=run(jnp.bfloat16))
 
 
-def _decode(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
+def decode_rows(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
     """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
     row's values decoded relative to its largest (finite) scale, so at most ``elem_max``."""
     f = q.format

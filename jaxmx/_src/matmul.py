@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src import native
+from jaxmx._src.accumulation import Accumulation, limited_matmul
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.backends import per_platform
 from jaxmx._src.dtypes import check_float_dtype
@@ -26,7 +27,15 @@ from jaxmx._src.emulate import emulated_matmul
 from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
 
 
-def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto") -> jax.Array:
+def matmul(
+    a: MXArray,
+    b: MXArray,
+    out_dtype=jnp.bfloat16,
+    backend: str = "auto",
+    *,
+    accum_bits: int | None = None,
+    promote_every: int | None = None,
+) -> jax.Array:
     """Multiplies two MX operands, each quantized along the contracting axis K.
 
     Args:
@@ -37,6 +46,8 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
         backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs MX
             GEMMs and both formats are native, else the emulation), ``"emulate"`` (any device)
             or ``"ffi"`` (the native custom call).
+        accum_bits, promote_every: a modelled limited-precision accumulator (the emulation only,
+            as :attr:`jaxmx.Recipe.accum_bits`); ``None``: float32 accumulation.
 
     The emulation (:mod:`jaxmx._src.emulate`) agrees with the native GEMM wherever the exact
     result is a finite float32, except that XLA:CPU flushes subnormal operands, products and
@@ -48,6 +59,8 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
     for name, q in (("a", a), ("b", b)):
         axis = ReducedAxis(q.data_axis, "K", "the contracting dimension")
         check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
+    if accum_bits is not None or promote_every is not None:
+        return _limited(a, b, out_dtype, backend, accum_bits, promote_every)
     runners = {
         platform: _RUNNERS[name] for platform, name in per_platform(backend, (a.fmt, b.fmt)).items()
     }
@@ -55,6 +68,17 @@ def matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, backend: str = "auto"
         return runners["default"](a, b, out_dtype)
     branches = {p: (lambda a, b, run=run: run(a, b, out_dtype)) for p, run in runners.items()}
     return lax.platform_dependent(a, b, **branches)
+
+
+def _limited(a, b, out_dtype, backend, accum_bits, promote_every) -> jax.Array:
+    if accum_bits is None:
+        raise ValueError("matmul: promote_every needs accum_bits (a limited accumulator)")
+    if backend not in ("auto", "emulate"):
+        raise ValueError(
+            f"matmul: accum_bits models the accumulator in the emulation only; backend {backend!r} "
+            "cannot take it (use 'auto' or 'emulate')"
+        )
+    return limited_matmul(a, b, out_dtype, Accumulation(accum_bits, promote_every).check())
 
 
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:

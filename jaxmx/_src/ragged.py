@@ -70,6 +70,11 @@ def ragged_dot(
             "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' or "
             "'auto' (which emulates it)"
         )
+    if recipe.accum_bits is not None:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
+            "available for grouped GEMMs; use a recipe without it"
+        )
     lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
     rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
     group_sizes = jnp.asarray(group_sizes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxmx._src.accumulation import Accumulation
 from jaxmx._src.backends import check_backend
 from jaxmx._src.formats import check_scale_mode, get_format
 
@@ -34,6 +35,12 @@ class Recipe:
         grad_rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"`` (unbiased
             stochastic rounding of the output gradient; :func:`jaxmx.dot_general` then needs a
             ``key``).
+        accum_bits: ``None`` (exact products, float32 accumulation) or the bits a modelled
+            limited-precision accumulator keeps per 32-product step (14 models Hopper's FP8
+            tensor cores, see :mod:`jaxmx._src.accumulation`). Emulation only: ``"auto"`` then
+            emulates on every platform and ``"ffi"`` is refused.
+        promote_every: with ``accum_bits``, promote the partial sum to float32 every this many
+            elements of K (a multiple of 32; DeepSeek-V3 uses 128); ``None``: never.
     """
 
     fwd: str = "mxfp8_e4m3"
@@ -42,6 +49,8 @@ class Recipe:
     backend: str = "auto"
     residuals: str = "quantized"
     grad_rounding: str = "nearest"
+    accum_bits: int | None = None
+    promote_every: int | None = None
 
     def __post_init__(self):
         get_format(self.fwd)
@@ -50,6 +59,22 @@ class Recipe:
         check_backend(self.backend)
         _check_choice("residuals", self.residuals, RESIDUALS)
         _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
+        if self.accum_bits is None and self.promote_every is not None:
+            raise ValueError("Recipe.promote_every needs accum_bits (a limited accumulator)")
+        if self.accum_bits is not None:
+            Accumulation(self.accum_bits, self.promote_every).check()
+            if self.backend == "ffi":
+                raise ValueError(
+                    "Recipe.accum_bits models the accumulator in the emulation only; use "
+                    "backend='auto' or 'emulate', not 'ffi'"
+                )
+
+    @property
+    def accumulation(self) -> Accumulation | None:
+        """The modelled accumulator, or ``None`` for exact float32 accumulation."""
+        if self.accum_bits is None:
+            return None
+        return Accumulation(self.accum_bits, self.promote_every)
 
     def replace(self, **changes) -> Recipe:
         """A copy with some fields changed, e.g. ``recipe.replace(backend="emulate")``."""

@@ -1,10 +1,17 @@
-"""Diagnostics: what MX quantization does to a tensor, block by block.
+"""Diagnostics: what MX quantization does to a tensor, a GEMM and a training step.
 
-:func:`block_stats` gives, for every quantization block, its absolute maximum and scale, how far
-an outlier stretches it (``span_ratio``), and the fractions of its elements that underflow to
-subnormals, flush to zero or saturate, with its SQNR; :meth:`BlockStats.summary` reduces them to
-tail statistics and histograms. :func:`gemm_probe` measures the accumulation error of an MX GEMM
-under a limited-precision accumulator model. See docs/diagnostics.md.
+- :func:`block_stats` gives, for every quantization block, its absolute maximum and scale, how
+  far an outlier stretches it (``span_ratio``), and the fractions of its elements that underflow
+  to subnormals, flush to zero or saturate, with its SQNR; :meth:`BlockStats.summary` reduces
+  them to tail statistics and histograms.
+- :func:`gemm_probe` measures the accumulation error of an MX GEMM under a limited-precision
+  accumulator model (the same model as ``Recipe(accum_bits=...)``).
+- :func:`telemetry` records, inside a jitted training step and without host callbacks, the tail
+  statistics of every leg of every jaxmx GEMM (forward operands, the gradient's two copies);
+  :func:`telemetry_report` collects them by GEMM name and :func:`first_nonfinite` finds where a
+  NaN or inf first appeared.
+
+See docs/diagnostics.md.
 
 Example:
     >>> import jax, jaxmx
@@ -15,5 +22,35 @@ Example:
 """
 
 from jaxmx._src.diagnostics import BlockStats, block_stats, gemm_probe
+from jaxmx._src.telemetry import (
+    LEGS,
+    ForwardLegs,
+    GemmTelemetry,
+    GradientLegs,
+    LegStats,
+    Telemetry,
+    first_nonfinite,
+    gemm_taps,
+    leg_stats,
+    named,
+    telemetry,
+    telemetry_report,
+)
 
-__all__ = ["BlockStats", "block_stats", "gemm_probe"]
+__all__ = [
+    "LEGS",
+    "BlockStats",
+    "ForwardLegs",
+    "GemmTelemetry",
+    "GradientLegs",
+    "LegStats",
+    "Telemetry",
+    "block_stats",
+    "first_nonfinite",
+    "gemm_probe",
+    "gemm_taps",
+    "leg_stats",
+    "named",
+    "telemetry",
+    "telemetry_report",
+]

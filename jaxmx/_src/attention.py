@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxmx._src.dtypes import as_float_array
 from jaxmx._src.einsum import einsum
 from jaxmx._src.recipes import MXFP8, Recipe
+from jaxmx._src.telemetry import named
 
 
 def dot_product_attention(
@@ -65,9 +66,10 @@ def dot_product_attention(
     g = n // k
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     grouped = query.reshape(b, t, k, g, h)
-    logits = einsum(
-        "btkgh,bskh->bkgts", grouped, key, recipe=recipe, preferred_element_type=jnp.float32
-    )
+    with named("qk"):
+        logits = einsum(
+            "btkgh,bskh->bkgts", grouped, key, recipe=recipe, preferred_element_type=jnp.float32
+        )
     logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + _grouped(jnp.asarray(bias, jnp.float32), b, k, g, t, s)
@@ -75,7 +77,8 @@ def dot_product_attention(
     if keep is not None:
         logits = jnp.where(keep, logits, jnp.float32(-0.7) * jnp.finfo(jnp.float32).max)
     probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    out = einsum("bkgts,bskh->btkgh", probs, value, recipe=recipe)
+    with named("pv"):
+        out = einsum("bkgts,bskh->btkgh", probs, value, recipe=recipe)
     return out.reshape(b, t, n, h).astype(query.dtype)
 
 

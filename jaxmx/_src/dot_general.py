@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmx._src import keys
+from jaxmx._src import keys, telemetry
 from jaxmx._src.alignment import (
     BlockShardingError,
     ReducedAxis,
@@ -109,24 +109,35 @@ def dot_general(
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype, tuple(problems.values()))
     mesh, out_spec = _explicit_layout(lhs, rhs, dims)
     if mesh is None:
-        return _canonical_dot(static, dims, lhs, rhs, key)
-    # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so the
-    # GEMM runs with the mesh axes switched to Auto and gives its result the operands' layout.
-    run = functools.partial(_canonical_dot, static, dims)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
+        y = _canonical_dot(static, dims, lhs, rhs, key)
+    else:
+        # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so
+        # the GEMM runs with the mesh axes switched to Auto and gives its result the operands'
+        # layout.
+        run = functools.partial(_canonical_dot, static, dims)
+        with jax.sharding.use_abstract_mesh(mesh):
+            y = jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
+    return telemetry.observe(lhs, rhs, y, functools.partial(_canonical_operands, dims), recipe)
+
+
+def _canonical_operands(dims: _Dims, lhs, rhs):
+    """``lhs`` as ``[B, M, K]`` and ``rhs`` as ``[B, N, K]`` (batch, free and contracting
+    dimensions each merged into one)."""
+    x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
+    w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
+    b = math.prod(lhs.shape[d] for d in dims.lhs_batch)
+    m = math.prod(lhs.shape[d] for d in dims.lhs_free)
+    n = math.prod(rhs.shape[d] for d in dims.rhs_free)
+    k = math.prod(lhs.shape[d] for d in dims.lhs_contract)
+    return x.reshape(b, m, k), w.reshape(b, n, k)
 
 
 def _canonical_dot(static: _Static, dims: _Dims, lhs, rhs, key):
     """``lax.dot_general``'s result via the custom-VJP GEMM on ``[B, M, K]`` / ``[B, N, K]``."""
-    x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract)
-    w = rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract)
-    batch_shape = x.shape[: len(dims.lhs_batch)]
-    m_shape = x.shape[len(dims.lhs_batch) : len(dims.lhs_batch) + len(dims.lhs_free)]
-    n_shape = w.shape[len(dims.rhs_batch) : len(dims.rhs_batch) + len(dims.rhs_free)]
-    k = math.prod(x.shape[x.ndim - len(dims.lhs_contract) :])
-    b, m, n = math.prod(batch_shape), math.prod(m_shape), math.prod(n_shape)
-    y = _mx_bmm(static, x.reshape(b, m, k), w.reshape(b, n, k), key)
+    batch_shape = tuple(lhs.shape[d] for d in dims.lhs_batch)
+    m_shape = tuple(lhs.shape[d] for d in dims.lhs_free)
+    n_shape = tuple(rhs.shape[d] for d in dims.rhs_free)
+    y = _mx_bmm(static, *_canonical_operands(dims, lhs, rhs), key)
     return y.reshape(batch_shape + m_shape + n_shape)
 
 

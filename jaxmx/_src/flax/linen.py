@@ -227,7 +227,7 @@ class _Interceptor:
         if not self.included(path, layer) or self.excluded(path, layer):
             return next_fun(*args, **kwargs)
         if isinstance(layer, nn.MultiHeadDotProductAttention):
-            object.__setattr__(layer, "attention_fn", MXAttention(self.recipe))
+            object.__setattr__(layer, "attention_fn", MXAttention(self.recipe, path))
             return next_fun(*args, **kwargs)
         if isinstance(layer, nn.Einsum):
             return _einsum_call(layer, *args, recipe=self.recipe, **kwargs)
@@ -236,7 +236,7 @@ class _Interceptor:
                 f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead "
                 "of its dot_general; exclude the layer or drop its dot_general_cls"
             )
-        object.__setattr__(layer, "dot_general", MXDotGeneral(self.recipe))
+        object.__setattr__(layer, "dot_general", MXDotGeneral(self.recipe, path))
         return next_fun(*args, **kwargs)
 
     def check_includes(self) -> None:

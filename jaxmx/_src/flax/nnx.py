@@ -137,16 +137,16 @@ def quantize_model(
         if not included(name, layer) or excluded(name, layer):
             continue
         if isinstance(layer, nnx.MultiHeadAttention):
-            layer.attention_fn = MXAttention(recipe)
+            layer.attention_fn = MXAttention(recipe, name)
         elif isinstance(layer, nnx.Einsum):
-            layer.einsum_op = MXEinsum(recipe)
+            layer.einsum_op = MXEinsum(recipe, name)
         elif getattr(layer, "dot_general_cls", None) is not None:
             raise ValueError(
                 f"quantize_model: layer {name!r} sets dot_general_cls, which Flax calls instead of "
                 "its dot_general; exclude the layer or drop its dot_general_cls"
             )
         else:
-            layer.dot_general = MXDotGeneral(recipe)
+            layer.dot_general = MXDotGeneral(recipe, name)
         layer.recipe = recipe
         converted[name] = layer
     return converted

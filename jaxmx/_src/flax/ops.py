@@ -7,6 +7,7 @@ caches and nnx graph definitions stable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -17,6 +18,7 @@ from jaxmx._src.attention import dot_product_attention as jaxmx_attention
 from jaxmx._src.dot_general import dot_general as jaxmx_dot_general
 from jaxmx._src.einsum import einsum as jaxmx_einsum
 from jaxmx._src.recipes import MXFP8, Recipe
+from jaxmx._src.telemetry import named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +27,8 @@ class MXDotGeneral:
 
     ``recipe=None`` calls ``lax.dot_general`` itself (high precision). Also accepts the
     ``out_sharding`` keyword that Flax passes (applied as a sharding constraint on the result).
+    ``name`` names the GEMM in :func:`jaxmx.diagnostics.telemetry` (default: the calling linen
+    module's path; ``quantize_model`` sets the layer path).
 
     Example:
         >>> import jax.numpy as jnp
@@ -35,6 +39,7 @@ class MXDotGeneral:
     """
 
     recipe: Recipe | None = MXFP8
+    name: str | None = None
 
     def __call__(
         self,
@@ -54,9 +59,15 @@ class MXDotGeneral:
                 preferred_element_type=preferred_element_type,
             )
         else:
-            y = jaxmx_dot_general(
-                lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=self.recipe
-            )
+            with _named(self.name):
+                y = jaxmx_dot_general(
+                    lhs,
+                    rhs,
+                    dimension_numbers,
+                    precision,
+                    preferred_element_type,
+                    recipe=self.recipe,
+                )
         if out_sharding is not None:
             y = jax.lax.with_sharding_constraint(y, out_sharding)
         return y
@@ -68,7 +79,7 @@ class MXEinsum:
 
     The ``einsum_op`` of ``nnx.Einsum``; ``recipe=None`` calls ``jnp.einsum`` itself. ``precision``
     is ignored under a recipe (the recipe fixes the products' precision), as in
-    :func:`jaxmx.dot_general`.
+    :func:`jaxmx.dot_general`. ``name``: as for :class:`MXDotGeneral`.
 
     Example:
         >>> import jax.numpy as jnp
@@ -78,6 +89,7 @@ class MXEinsum:
     """
 
     recipe: Recipe | None = MXFP8
+    name: str | None = None
 
     def __call__(
         self,
@@ -98,9 +110,14 @@ class MXEinsum:
                 preferred_element_type=preferred_element_type,
                 out_sharding=out_sharding,
             )
-        y = jaxmx_einsum(
-            subscripts, lhs, rhs, preferred_element_type=preferred_element_type, recipe=self.recipe
-        )
+        with _named(self.name):
+            y = jaxmx_einsum(
+                subscripts,
+                lhs,
+                rhs,
+                preferred_element_type=preferred_element_type,
+                recipe=self.recipe,
+            )
         if out_sharding is not None:
             y = jax.lax.with_sharding_constraint(y, out_sharding)
         return y
@@ -115,7 +132,8 @@ class MXAttention:
     ``key`` / ``value [batch..., S, K, H]``, ``bias`` and ``mask`` broadcastable to
     ``[batch..., N, T, S]`` (a mask keeps its non-zero entries, as in Flax). ``dtype``,
     ``precision`` and ``module`` are accepted and ignored (the recipe fixes the products);
-    attention-weight dropout is not supported and raises.
+    attention-weight dropout is not supported and raises. ``name``: as for
+    :class:`MXDotGeneral` (the two products are ``{name}/qk`` and ``{name}/pv``).
 
     Example:
         >>> import jax.numpy as jnp
@@ -128,6 +146,7 @@ class MXAttention:
     """
 
     recipe: Recipe | None = MXFP8
+    name: str | None = None
 
     def __call__(
         self,
@@ -162,5 +181,28 @@ class MXAttention:
             None if x is None else jnp.broadcast_to(x, (*batch, *heads)).reshape(-1, *heads)
             for x in (bias, mask)
         )
-        out = jaxmx_attention(*flat, bias, mask, is_causal=is_causal, recipe=self.recipe)
+        with _named(self.name):
+            out = jaxmx_attention(*flat, bias, mask, is_causal=is_causal, recipe=self.recipe)
         return out.reshape(*batch, *out.shape[1:])
+
+
+@contextlib.contextmanager
+def _named(name: str | None):
+    """Telemetry names for the GEMMs in the block: ``name``, else the calling linen module's
+    path, else none (the GEMMs keep their default names)."""
+    name = name or _linen_module_path()
+    if name is None:
+        yield
+        return
+    with named(name):
+        yield
+
+
+def _linen_module_path() -> str | None:
+    """The ``/``-joined path of the linen module being called, if any."""
+    from flax.linen import module as linen_module  # its call stack has no public accessor
+
+    stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
+    module = stack[-1] if stack else None
+    scope = getattr(module, "scope", None)
+    return "/".join(scope.path) if scope is not None and scope.path else None

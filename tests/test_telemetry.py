@@ -1,0 +1,231 @@
+"""In-training telemetry: per-leg statistics, gradient taps, the NaN localiser, zero cost off."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_diagnostics import adversarial, reference_stats
+
+import jaxmx
+import jaxmx.flax.linen as mxl
+import jaxmx.flax.nnx as mxnnx
+from jaxmx import diagnostics
+from jaxmx._src import telemetry as telemetry_module
+
+DIMS = (((1,), (0,)), ((), ()))  # x [M, K] @ w [K, N]
+
+
+def reference_leg(x: np.ndarray, fmt: str, axis: int) -> dict:
+    """LegStats from the per-block numpy reference, finite blocks only."""
+    r = reference_stats(x, fmt, axis, "rceil")
+    finite = np.isfinite(r["amax"])
+    span, under = r["span"][finite], r["under"][finite]
+    return {
+        "span_ratio_max": span.max(),
+        "span_ratio_p99": np.percentile(span, 99, method="nearest"),
+        "underflow_blocks": np.mean(under > 0),
+        "underflow_mean": under.mean(),
+        "underflow_max": under.max(),
+        "flushed_mean": r["flushed"][finite].mean(),
+        "flushed_max": r["flushed"][finite].max(),
+        "saturated_max": r["sat"][finite].max(),
+        "sqnr_db_min": r["sqnr"][finite].min(),
+        "nonfinite": float(not finite.all()),
+    }
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4"])
+@pytest.mark.parametrize("axis", [1, 0])
+def test_leg_stats_equal_the_reference(fmt, axis):
+    x = adversarial()
+    got = diagnostics.leg_stats(jnp.asarray(x), fmt, axis, "rceil")
+    want = reference_leg(x, fmt, axis)
+    for field in diagnostics.LegStats._fields:
+        np.testing.assert_allclose(getattr(got, field), want[field], rtol=1e-5, err_msg=field)
+
+
+def three_layers(params, x, taps, inject=lambda h: h):
+    """x -> layer0 -> inject -> layer1 -> layer2, each a jaxmx GEMM named by its layer."""
+    with diagnostics.telemetry(taps) as record:
+        h = x
+        for i, w in enumerate(params):
+            with diagnostics.named(f"layer{i}"):
+                h = jaxmx.dot_general(h, w, DIMS)
+            if i == 0:
+                h = inject(h)
+            h = jnp.tanh(h)
+    return jnp.sum(h**2), record.forward
+
+
+def run_step(params, x, inject=lambda h: h):
+    taps = diagnostics.gemm_taps(three_layers, params, x)
+    step = jax.jit(jax.value_and_grad(three_layers, (0, 2), has_aux=True), static_argnums=3)
+    (_, forward), (_, tap_grads) = step(params, x, taps, inject)
+    return diagnostics.telemetry_report(forward, tap_grads)
+
+
+def make_params(key=0):
+    keys = jax.random.split(jax.random.key(key), 4)
+    x = jax.random.normal(keys[0], (64, 128))
+    return [jax.random.normal(k, (128, 128)) / 8 for k in keys[1:]], x
+
+
+def gradient_with(fn):
+    """An identity whose backward pass applies ``fn`` to the cotangent."""
+
+    @jax.custom_vjp
+    def identity(h):
+        return h
+
+    identity.defvjp(lambda h: (h, None), lambda _, g: (fn(g),))
+    return identity
+
+
+def test_the_report_names_every_gemm_in_program_order():
+    params, x = make_params()
+    report = run_step(params, x)
+    assert list(report) == ["layer0", "layer1", "layer2"]
+    assert [t.index for t in report.values()] == [0, 1, 2]
+    layer1 = report["layer1"]
+    want = reference_leg(np.asarray(params[1]).T, "mxfp8_e4m3", 1)  # w as [N, K] along K
+    np.testing.assert_allclose(layer1.rhs.span_ratio_max, want["span_ratio_max"], rtol=1e-5)
+    assert all(t.dgrad is not None and t.wgrad is not None for t in report.values())
+    assert diagnostics.first_nonfinite(report) is None
+
+
+def test_an_outlier_in_one_gradient_shows_in_that_gemms_backward_legs_only():
+    params, x = make_params()
+    clean = run_step(params, x)
+    planted = run_step(params, x, gradient_with(lambda g: g.at[3, 5].set(1e4)))
+    for name in ("layer1", "layer2"):  # run before layer0 in the backward pass: untouched
+        for leg in diagnostics.LEGS:
+            np.testing.assert_array_equal(getattr(planted[name], leg), getattr(clean[name], leg))
+    for leg in ("lhs", "rhs"):
+        np.testing.assert_array_equal(
+            getattr(planted["layer0"], leg), getattr(clean["layer0"], leg)
+        )
+    for leg in ("dgrad", "wgrad"):  # the block holding 1e4: sqrt(32) span, its others underflow
+        before, after = getattr(clean["layer0"], leg), getattr(planted["layer0"], leg)
+        assert after.span_ratio_max > 5.6 > before.span_ratio_max
+        assert after.underflow_max > 0.5 > before.underflow_max
+        assert after.flushed_max > 0.1 > before.flushed_max
+
+
+@pytest.mark.parametrize(
+    "plant, where",
+    [
+        ("weight", ("layer1", "rhs")),
+        ("input", ("layer0", "lhs")),
+        ("gradient", ("layer0", "dgrad")),
+    ],
+)
+def test_the_localiser_names_the_first_gemm_and_leg_that_saw_a_nan(plant, where):
+    params, x = make_params()
+    inject = lambda h: h
+    if plant == "weight":
+        params[1] = params[1].at[7, 9].set(jnp.nan)
+    elif plant == "input":
+        x = x.at[0, 0].set(jnp.inf)
+    else:
+        inject = gradient_with(lambda g: g.at[0, 0].set(jnp.nan))
+    report = run_step(params, x, inject)
+    assert diagnostics.first_nonfinite(report) == where
+
+
+def test_telemetry_off_compiles_to_the_program_without_the_feature(monkeypatch):
+    params, x = make_params()
+
+    def loss(params, x):
+        h = x
+        for w in params:
+            h = jnp.tanh(jaxmx.dot_general(h, w, DIMS))
+        return jnp.sum(h**2)
+
+    def hlo():
+        return jax.jit(jax.grad(loss)).lower(params, x).as_text()
+
+    with_hook = hlo()
+    monkeypatch.setattr(telemetry_module, "observe", lambda lhs, rhs, y, *_: y)
+    assert with_hook == hlo()
+
+
+def test_forward_only_telemetry_needs_no_taps():
+    params, x = make_params()
+    _, forward = jax.jit(three_layers)(params, x, None)
+    report = diagnostics.telemetry_report(forward)
+    assert list(report) == ["layer0", "layer1", "layer2"] and report["layer0"].dgrad is None
+
+
+def test_flax_layers_are_named_by_module_path():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64, name="down")(jax.nn.gelu(nn.Dense(128, name="up")(x)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Block(name="block1")(Block(name="block0")(x))
+
+    model = mxl.quantize_model(Net())
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss(params, taps):
+        with diagnostics.telemetry(taps) as record:
+            y = model.apply({"params": params}, x)
+        return jnp.mean(y**2), record.forward
+
+    taps = diagnostics.gemm_taps(loss, params)
+    (_, fwd), (_, grads) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(params, taps)
+    names = ["block0/up", "block0/down", "block1/up", "block1/down"]
+    assert list(diagnostics.telemetry_report(fwd, grads)) == names
+
+
+def test_nnx_quantize_model_names_its_layers_and_attention_products():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(2, 64, decode=False, rngs=rngs)
+            self.mlp = nnx.Linear(64, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.mlp(self.attn(x))
+
+    model = Net(nnx.Rngs(0))
+    mxnnx.quantize_model(model, attention=True)
+    x = jax.random.normal(jax.random.key(0), (2, 32, 64))
+
+    def loss(model, taps):
+        with diagnostics.telemetry(taps) as record:
+            y = model(x)
+        return jnp.mean(y**2), record.forward
+
+    taps = diagnostics.gemm_taps(loss, model)
+    step = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, fwd), (_, grads) = step(model, taps)
+    report = diagnostics.telemetry_report(fwd, grads)
+    assert list(report) == [
+        "attn/query",
+        "attn/key",
+        "attn/value",
+        "attn/qk",
+        "attn/pv",
+        "attn/out",
+        "mlp",
+    ]
+    assert all(np.isfinite(t.wgrad.sqnr_db_min) for t in report.values())
+
+
+def test_misuse_is_refused_with_a_clear_error():
+    params, x = make_params()
+    with pytest.raises(KeyError, match="no tap for GEMM 'layer0'"):
+        three_layers(params, x, {})
+
+    def remat_inside(w, x):
+        with diagnostics.telemetry():
+            return jax.checkpoint(lambda x: jaxmx.dot_general(x, w, DIMS))(x).sum()
+
+    with pytest.raises(ValueError, match="inside a transformation"):
+        jax.grad(remat_inside)(params[0], x)

@@ -7,7 +7,7 @@ import numpy as np
 import jaxmx
 from jaxmx.demo import data, report
 from jaxmx.demo.__main__ import main, parse_args
-from jaxmx.demo.train import Config, get_recipe
+from jaxmx.demo.train import Config, get_recipe, train
 
 TINY = [
     *("--steps", "30", "--d-model", "32", "--layers", "1", "--heads", "2"),
@@ -68,3 +68,38 @@ def test_data_splits_and_unigram():
     x2, _ = next(data.batches(train, 4, 16, seed=0))
     assert (x == x2).all()  # the data order is fixed by the seed
     assert report.smooth([1.0, 2.0, 3.0], window=2).tolist() == [1.0, 1.5, 2.5]
+
+
+def test_demo_diagnose_and_seed_band(tmp_path, capsys):
+    steps = ["--steps", "10", "--eval-every", "0"]
+    args = [*TINY, *steps, "--diagnose", "--diagnose-every", "5", "--seeds", "1"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 over 2 seeds: validation loss" in out and "the band" in out
+    assert "largest underflow_blocks" in out and "no NaN/inf in any leg" in out
+
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert set(history["runs"]) == {"bf16", "mxfp8", "bf16 seed 1"}
+    mx = history["runs"]["mxfp8"]
+    assert sorted(mx["telemetry"], key=int) == ["1", "5", "10"]
+    gemms = ["blocks/0/attn/qkv", "blocks/0/attn/out", "blocks/0/mlp/up", "blocks/0/mlp/down"]
+    for step_report in mx["telemetry"].values():
+        assert list(step_report) == gemms
+        assert all(list(legs) == ["lhs", "rhs", "dgrad", "wgrad"] for legs in step_report.values())
+    png = (tmp_path / "diagnostics_mxfp8.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+    # the diagnosed steps make the same updates as the plain ones
+    cfg = Config(
+        steps=10,
+        d_model=32,
+        layers=1,
+        heads=2,
+        seq_len=32,
+        batch=8,
+        lr=1e-2,
+        eval_every=0,
+        eval_batches=4,
+    )
+    plain = train(cfg, jaxmx.recipes.MXFP8, progress=False)
+    np.testing.assert_allclose(mx["train_loss"], plain.train_loss, rtol=1e-6)

@@ -42,6 +42,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="jaxmx GEMM backend (default: the recipe's, auto = cuBLASLt where supported, else "
         "exact emulation)",
     )
+    p.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="record per-GEMM quantization telemetry in the MX run and plot it (layer x step)",
+    )
+    p.add_argument(
+        "--diagnose-every",
+        type=int,
+        default=None,
+        help="steps between telemetry records (default: steps / 30)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="rerun BF16 with this many other seeds; report whether the MX run lies in the band",
+    )
     p.add_argument("--out", default="jaxmx_demo", help="output directory (plot, summary)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -52,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxmx.demo import report
-    from jaxmx.demo.train import compare, get_recipe
+    from jaxmx.demo.train import compare, get_recipe, seed_band
 
     cfg = Config(
         steps=args.steps,
@@ -69,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"{cfg}\n{recipe}")
-    runs = compare(cfg, recipe, name=args.recipe, progress=not args.no_progress)
-    summary = report.write(runs, args.out, config=cfg, recipe=recipe)
+    if args.seeds < 0 or (args.diagnose_every is not None and args.diagnose_every < 1):
+        raise SystemExit("--seeds must be >= 0 and --diagnose-every >= 1")
+    diagnose_every = 0
+    if args.diagnose:
+        diagnose_every = args.diagnose_every or max(1, cfg.steps // 30)
+    progress = not args.no_progress
+    runs = compare(cfg, recipe, name=args.recipe, progress=progress, diagnose_every=diagnose_every)
+    band = seed_band(cfg, args.seeds, progress=progress)
+    summary = report.write(runs, args.out, config=cfg, recipe=recipe, band=band)
     print(summary.text)
     return 0
 

@@ -31,10 +31,20 @@ class Summary:
     unigram: float  # unigram entropy of the validation bytes (nats/byte)
     plot: Path
     files: list[Path]
+    inside_band: bool | None = None  # MX validation loss within the BF16 seeds' [min, max]
 
 
-def write(runs: tuple[RunResult, RunResult], out: str | Path, *, config=None, recipe=None):
-    """Writes ``summary.txt``, ``history.json`` and ``loss_curves.png`` to ``out``."""
+def write(
+    runs: tuple[RunResult, RunResult],
+    out: str | Path,
+    *,
+    config=None,
+    recipe=None,
+    band: list[RunResult] = (),
+):
+    """Writes ``summary.txt``, ``history.json`` and ``loss_curves.png`` to ``out``; with
+    ``band`` (BF16 reruns with other seeds), the seed band and whether the MX run lies in it;
+    with telemetry in the MX run, ``diagnostics_{name}.png`` and its summary."""
     baseline, candidate = runs
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -49,20 +59,51 @@ def write(runs: tuple[RunResult, RunResult], out: str | Path, *, config=None, re
             f"{min(baseline.final_val, candidate.final_val) - unigram:+.3f} nats/byte",
         ]
     )
+    inside = None
+    if band:
+        band_text, inside = seed_band_text([baseline, *band], candidate)
+        text += "\n" + band_text
+    files = []
+    if candidate.telemetry:
+        from jaxmx.demo import diagnose
+
+        files.append(
+            diagnose.heatmaps(
+                candidate.telemetry,
+                out / f"diagnostics_{candidate.name}.png",
+                f"{candidate.name}: quantization telemetry per GEMM and leg",
+            )
+        )
+        text += "\n" + diagnose.describe(candidate.telemetry, candidate.first_nonfinite)
     summary_path = out / "summary.txt"
     summary_path.write_text(text + "\n")
     history = {
         "config": dataclasses.asdict(config) if config is not None else None,
         "recipe": repr(recipe),
         "unigram_entropy": unigram,
-        "runs": {r.name: r.to_dict() for r in runs},
+        "runs": {r.name: r.to_dict() for r in (*runs, *band)},
     }
     history_path = out / "history.json"
     history_path.write_text(json.dumps(history, indent=1))
     png = plot(list(runs), out / "loss_curves.png", unigram=unigram)
     ratio = candidate.step_time / baseline.step_time
-    text += f"\nwrote {png}, {summary_path}, {history_path}"
-    return Summary(text, gap, ratio, unigram, png, [png, summary_path, history_path])
+    files = [png, summary_path, history_path, *files]
+    text += "\nwrote " + ", ".join(str(f) for f in files)
+    return Summary(text, gap, ratio, unigram, png, files, inside)
+
+
+def seed_band_text(baselines: list[RunResult], candidate: RunResult) -> tuple[str, bool]:
+    """(a line on the BF16 seeds' validation-loss spread and where ``candidate`` lies, whether
+    it lies inside ``[min, max]`` of the seeds)."""
+    vals = np.array([r.final_val for r in baselines])
+    inside = bool(vals.min() <= candidate.final_val <= vals.max())
+    return (
+        f"{baselines[0].name} over {len(vals)} seeds: validation loss {vals.mean():.4f} +- "
+        f"{vals.std(ddof=1):.4f} (min {vals.min():.4f}, max {vals.max():.4f}); "
+        f"{candidate.name} {candidate.final_val:.4f} is {'inside' if inside else 'outside'} "
+        "the band",
+        inside,
+    )
 
 
 def relative_gap(value: float, reference: float) -> float:

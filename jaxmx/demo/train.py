@@ -54,6 +54,10 @@ class RunResult:
     compile_time: float = 0.0  # first step, compilation included
     wall_time: float = 0.0  # the whole run: build, compile, train, evaluate
     bench_step_time: float | None = None  # seconds per step, timed interleaved (see benchmark)
+    telemetry: dict[int, dict] = dataclasses.field(
+        default_factory=dict
+    )  # step -> diagnose.as_plain
+    first_nonfinite: tuple[int, str, str] | None = None  # (step, GEMM, leg) of the first NaN/inf
     model: Transformer | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -131,8 +135,20 @@ def make_optimizer(cfg: Config, model: Transformer) -> nnx.Optimizer:
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool = True) -> RunResult:
-    """Trains one model from ``cfg.seed`` on the fixed data order; ``recipe=None`` is BF16."""
+def train(
+    cfg: Config,
+    recipe=None,
+    *,
+    name: str | None = None,
+    progress: bool = True,
+    diagnose_every: int = 0,
+) -> RunResult:
+    """Trains one model from ``cfg.seed`` on the fixed data order; ``recipe=None`` is BF16.
+
+    With ``diagnose_every=n`` (and a recipe), steps 1, n, 2n, ... also record the telemetry of
+    every jaxmx GEMM (:mod:`jaxmx.demo.diagnose`) into ``RunResult.telemetry``; the update is
+    the same, and those steps are left out of the step times.
+    """
     start = time.perf_counter()
     name = name or ("bf16" if recipe is None else "mxfp8")
     train_data, val_data = data.load_splits()
@@ -142,15 +158,21 @@ def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool =
     result = RunResult(name)
     batches = data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed)
     bar = _progress(cfg.steps, name, progress)
+    diagnose_every = diagnose_every if recipe is not None else 0
+    taps = None  # the telemetry taps, made once the first diagnosed step has a batch
     for step in range(1, cfg.steps + 1):
-        x, y = next(batches)
-        t0 = time.perf_counter()
-        loss = float(train_step(model, optimizer, jnp.asarray(x), jnp.asarray(y)))
-        dt = time.perf_counter() - t0
-        if step == 1:
-            result.compile_time = dt
+        x, y = (jnp.asarray(a) for a in next(batches))
+        if diagnose_every and (step == 1 or step % diagnose_every == 0):
+            taps = taps or _taps(model, x, y)
+            loss = _diagnosed_step(result, step, taps, model, optimizer, x, y)
         else:
-            result.step_times.append(dt)
+            t0 = time.perf_counter()
+            loss = float(train_step(model, optimizer, x, y))
+            dt = time.perf_counter() - t0
+            if not result.compile_time:  # the first plain step compiles it
+                result.compile_time = dt
+            else:
+                result.step_times.append(dt)
         result.steps.append(step)
         result.train_loss.append(loss)
         if step < cfg.steps and cfg.eval_every and step % cfg.eval_every == 0:
@@ -166,6 +188,25 @@ def train(cfg: Config, recipe=None, *, name: str | None = None, progress: bool =
     result.wall_time = time.perf_counter() - start
     result.model = model
     return result
+
+
+def _taps(model, x, y):
+    from jaxmx.demo import diagnose
+
+    return diagnose.taps_for(model, x, y)
+
+
+def _diagnosed_step(result: RunResult, step: int, taps, model, optimizer, x, y) -> float:
+    from jaxmx import diagnostics
+    from jaxmx.demo import diagnose
+
+    loss, forward, tap_grads = diagnose.diagnosed_train_step(model, optimizer, x, y, taps)
+    report = diagnostics.telemetry_report(forward, tap_grads)
+    result.telemetry[step] = diagnose.as_plain(report)
+    where = diagnostics.first_nonfinite(report)
+    if where is not None and result.first_nonfinite is None:
+        result.first_nonfinite = (step, *where)
+    return float(loss)
 
 
 def _progress(total: int, name: str, enabled: bool):
@@ -218,14 +259,29 @@ def benchmark(cfg: Config, recipes: dict, *, rounds: int = 5, steps: int = 8) ->
 
 
 def compare(
-    cfg: Config, recipe, *, name: str = "mxfp8", progress: bool = True
+    cfg: Config, recipe, *, name: str = "mxfp8", progress: bool = True, diagnose_every: int = 0
 ) -> tuple[RunResult, RunResult]:
     """BF16 then ``recipe`` (run ``name``), same seed and data order: ``(bf16_run, mx_run)``.
 
     Then times both training steps side by side (:func:`benchmark`) for the step-time ratio.
+    ``diagnose_every``: as for :func:`train`, for the ``recipe`` run.
     """
     baseline = train(cfg, None, name="bf16", progress=progress)
-    candidate = train(cfg, recipe, name=name, progress=progress)
+    candidate = train(cfg, recipe, name=name, progress=progress, diagnose_every=diagnose_every)
     times = benchmark(cfg, {"bf16": None, name: recipe})
     baseline.bench_step_time, candidate.bench_step_time = times["bf16"], times[name]
     return baseline, candidate
+
+
+def seed_band(cfg: Config, seeds: int, *, progress: bool = True) -> list[RunResult]:
+    """BF16 reruns with seeds ``cfg.seed + 1 .. cfg.seed + seeds`` (weights and data order):
+    with the baseline run, the run-to-run spread that a precision change should stay inside."""
+    return [
+        train(
+            dataclasses.replace(cfg, seed=cfg.seed + i),
+            None,
+            name=f"bf16 seed {cfg.seed + i}",
+            progress=progress,
+        )
+        for i in range(1, seeds + 1)
+    ]

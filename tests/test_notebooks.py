@@ -1,4 +1,4 @@
-"""Both notebooks run top to bottom (small settings through JAXMX_NB_* variables), as in Colab."""
+"""The notebooks run top to bottom (small settings through JAXMX_NB_* variables), as in Colab."""
 
 import os
 from pathlib import Path
@@ -18,6 +18,7 @@ SMALL = {
     "JAXMX_NB_EVAL_EVERY": "10",
     "JAXMX_NB_EVAL_BATCHES": "2",
     "JAXMX_NB_SAMPLE_BYTES": "20",
+    "JAXMX_NB_SEEDS": "1",
 }
 
 
@@ -43,7 +44,9 @@ def _text(nb) -> str:
     )
 
 
-@pytest.mark.parametrize("name", ["01_quickstart.ipynb", "02_train_transformer.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart.ipynb", "02_train_transformer.ipynb", "03_diagnostics.ipynb"]
+)
 def test_outputs_are_cleared_in_git(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -69,3 +72,14 @@ def test_train_notebook_runs(tmp_path, monkeypatch):
         "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
     )
     assert "--- mxfp8 ---" in text
+
+
+def test_diagnostics_notebook_runs(tmp_path, monkeypatch):
+    nb = _run("03_diagnostics.ipynb", tmp_path, monkeypatch)
+    text = _text(nb)
+    assert "blocks/0/mlp/up" in text and ">limit" in text  # step 0: span ratios per layer
+    assert "+promote" in text  # step 2: the accumulation probe
+    assert "largest underflow_blocks" in text and "no NaN/inf in any leg" in text  # step 3
+    assert (tmp_path / "out" / "telemetry.png").exists()
+    assert "validation loss" in text  # step 4
+    assert "bf16 over 2 seeds" in text and "the band" in text  # step 5

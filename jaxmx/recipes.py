@@ -3,7 +3,7 @@
 Example:
     >>> import jaxmx
     >>> jaxmx.recipes.MXFP8
-    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest')
+    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest', accum_bits=None, promote_every=None)
     >>> jaxmx.Recipe(grad="mxfp8_e5m2") == jaxmx.recipes.MXFP8_HYBRID
     True
 """  # noqa: E501

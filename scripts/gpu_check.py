@@ -198,6 +198,7 @@ def check_fp8(gpu, cpu, capability):
         except Exception as e:
             check(name, False, f"{type(e).__name__}: {e}")
     check_fp8_batched(gpu, cpu)
+    probe_unpadded_n(gpu)
 
 
 def check_fp8_batched(gpu, cpu):
@@ -226,6 +227,41 @@ def check_fp8_batched(gpu, cpu):
         check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
     except Exception as e:
         check(name, False, f"{type(e).__name__}: {e}")
+
+
+def probe_unpadded_n(gpu):
+    """Whether cuBLASLt takes N % 16 != 0 when each output row stays 16-byte aligned (float32,
+    N = 132): the custom call called directly, without the rhs pad the library applies.
+    Informational: says whether that pad (a copy of the rhs and a slice of the output) could be
+    smaller; it does not fail the run."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmx import ffi
+
+    name = "probe: fp8 N = 132 (N % 16 = 4, output rows 16-byte aligned), no rhs pad"
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, (64, 128)).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(kb, (132, 128)).astype(jnp.float8_e4m3fn)
+    one = jnp.ones((), jnp.float32)
+    call = jax.ffi.ffi_call(
+        ffi.FP8_TARGET,
+        (
+            jax.ShapeDtypeStruct((64, 132), jnp.float32),
+            jax.ShapeDtypeStruct((ffi.WORKSPACE_BYTES + 256,), jnp.uint8),
+        ),
+    )
+    try:
+        ffi.register_targets()
+        out, _ = jax.jit(lambda a, b, s: call(a, b, s, s, fast_accum=False))(
+            *jax.device_put((a, b, one), gpu)
+        )
+        x, y = a.astype(jnp.float32), b.astype(jnp.float32)
+        ref = jnp.dot(x, y.T, precision="highest")
+        err = max_error(out, ref, jnp.dot(abs(x), abs(y).T, precision="highest"), jnp.float32)
+        log(f"  [INFO] {name}: accepted, error {err:.3g} of bound")
+    except Exception as e:
+        log(f"  [INFO] {name}: refused ({str(e).splitlines()[0][:200]})")
 
 
 def _per_tensor(x, dtype):

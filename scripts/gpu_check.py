@@ -14,7 +14,8 @@ what is missing). Runs in under 5 minutes on one GPU and prints its run time. St
 1. report: devices, compute capability, CUDA driver/runtime, cuBLASLt, the extension's build;
 2. per-tensor FP8 (compute capability >= 8.9): ``jaxmx.ffi.fp8_matmul`` against an emulation
    computed here (decoded operands times their scales, ``jnp.dot`` in float32, HIGHEST precision)
-   and against the C++ CPU handler, including a batched call with one scale per batch element;
+   and against the C++ CPU handler, including a batched call with one scale per batch element,
+   and on hosts with several GPUs a call on each device;
 3. MX (compute capability >= 10.0): ``jaxmx.ffi.mx_matmul`` against ``jaxmx.dequantize`` +
    ``jnp.dot`` in float32, and against the CPU handler, over odd shapes, E4M3/E5M2 mixes, every
    output dtype, operands whose exponents vary per row and per block on both sides, batch dims
@@ -395,6 +396,34 @@ def check_against_cudnn(gpu):
         check(name, False, f"{type(e).__name__}: {e}")
 
 
+def check_devices(gpus, cpu):
+    """On a host with several GPUs, the per-tensor GEMM on each (one cuBLASLt handle per device,
+    created with that device current), against the CPU handler."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmx import ffi
+
+    if len(gpus) < 2:
+        return
+    name = "fp8 on every device"
+    try:
+        ka, kb = jax.random.split(jax.random.key(8))
+        a8, sa = _per_tensor(jax.random.normal(ka, (128, 256)), jnp.float8_e4m3fn)
+        b8, sb = _per_tensor(jax.random.normal(kb, (96, 256)), jnp.float8_e4m3fn)
+        f = jax.jit(lambda a, b, s, t: ffi.fp8_matmul(a, b, s, t, jnp.float32))
+        expected = f(*jax.device_put((a8, b8, sa, sb), cpu))
+        xs, ys = a8.astype(jnp.float32) * sa, b8.astype(jnp.float32) * sb
+        abs_sum = jnp.dot(abs(xs), abs(ys).T, precision="highest")
+        errors = []
+        for d in reversed(gpus):  # the last device first: not the default one
+            out = f(*jax.device_put((a8, b8, sa, sb), d))
+            errors.append(max_error(out, expected, abs_sum, jnp.float32))
+        check(f"{name} ({len(gpus)} GPUs)", max(errors) <= 1.0, f"errors {errors} of bound")
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+
+
 # --- CUDA graphs --------------------------------------------------------------------------------
 
 GRAPH_SCRIPT = textwrap.dedent(
@@ -584,6 +613,8 @@ def main() -> int:
     cc = tuple(int(p) for p in str(gpu.compute_capability).split(".")[:2])
     steps = [lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)]
     steps.append(lambda: check_graphs(cc, "gpu"))
+    if cc >= (8, 9):
+        steps.append(lambda: check_devices(gpus, cpu))
     for step in steps:
         try:
             step()

@@ -21,6 +21,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -141,11 +142,29 @@ double DecodeFp8(uint8_t code, cudaDataType_t t) {
   return sign ? -v : v;
 }
 
+// IEEE half bits of v, rounded to nearest even: the value is rounded on the half grid with
+// std::nearbyint (the default rounding mode is to nearest even), then encoded.
+uint16_t HalfBits(float v) {
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  const double a = std::fabs(static_cast<double>(v));
+  if (std::isnan(a)) return sign | 0x7E00;
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, 0.5 <= f < 1: a is in the binade of 2^(e - 1)
+  const double quantum = std::ldexp(1.0, std::max(e - 1, -14) - 10);
+  const double r = std::nearbyint(a / quantum) * quantum;
+  if (r >= 65520.0 || std::isinf(a)) return sign | 0x7C00;
+  if (r < std::ldexp(1.0, -14)) return sign | static_cast<uint16_t>(r / std::ldexp(1.0, -24));
+  std::frexp(r, &e);
+  const int exponent = e - 1;  // r = 2^exponent * (1 + m / 1024)
+  const auto mantissa = static_cast<uint16_t>(r / std::ldexp(1.0, exponent - 10) - 1024);
+  return sign | static_cast<uint16_t>((exponent + 15) << 10) | mantissa;
+}
+
 void Store(float v, cudaDataType_t t, void* dst) {
   if (t == CUDA_R_32F) {
     std::memcpy(dst, &v, 4);
   } else if (t == CUDA_R_16F) {
-    const _Float16 h = static_cast<_Float16>(v);  // round to nearest even
+    const uint16_t h = HalfBits(v);
     std::memcpy(dst, &h, 2);
   } else {  // bfloat16: round to nearest even on the top 16 bits
     uint32_t u;

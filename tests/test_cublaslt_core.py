@@ -88,7 +88,7 @@ def aligned(nbytes: int, offset: int = 0) -> np.ndarray:
     raw = np.zeros(nbytes + 512, np.uint8)
     start = (offset - raw.ctypes.data) % 256
     view = raw[start : start + nbytes]
-    assert view.ctypes.data % 256 == offset or nbytes == 0
+    assert view.ctypes.data % 256 == offset
     return view
 
 
@@ -267,13 +267,11 @@ def test_per_tensor_gemm_matches_numpy(machine, batch):
 
 def test_empty_contraction_writes_zeros(machine):
     gpu = machine()
-    a, b = placed(np.zeros((2, 3, 0), np.uint8)), placed(np.zeros((2, 16, 0), np.uint8))
-    a, b = a.view(ml_dtypes.float8_e4m3fn), b.view(ml_dtypes.float8_e4m3fn)
+    a = np.zeros((2, 3, 0), ml_dtypes.float8_e4m3fn)
+    b = np.zeros((2, 16, 0), ml_dtypes.float8_e4m3fn)
+    no_scales = placed(np.zeros(1, np.uint8))
     d = placed(np.full((2, 3, 16), np.nan, np.float32))
-    assert (
-        gpu.gemm(a, b, placed(np.zeros(1, np.uint8)), placed(np.zeros(1, np.uint8)), d, mx=True)[0]
-        == "ok"
-    )
+    assert gpu.gemm(a, b, no_scales, no_scales, d, mx=True) == ("ok", "")
     assert (d == 0).all() and gpu.matmuls() == []
 
 

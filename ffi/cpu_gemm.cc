@@ -220,7 +220,8 @@ ffi::Error MxMatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffe
 
 ffi::Error Fp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
                             ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> /*workspace*/) {
+                            ffi::Result<ffi::AnyBuffer> /*workspace*/,
+                            bool /*fast_accum: a cuBLASLt speed knob; the CPU sums in float32*/) {
   return RunGemm("jaxmx_fp8_matmul", ScaleKind::kTensorF32, lhs, rhs, lhs_scale, rhs_scale, out);
 }
 
@@ -245,9 +246,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCpu, jaxmx::MxMatmulCpuImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCpu, jaxmx::Fp8MatmulCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()    // lhs [..., M, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()    // rhs [..., N, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()    // lhs scale f32 [...]
-                                  .Arg<xla::ffi::AnyBuffer>()    // rhs scale f32 [...]
-                                  .Ret<xla::ffi::AnyBuffer>()    // out [..., M, N]
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scale f32 [...]
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scale f32 [...]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace (unused here)
+                                  .Attr<bool>("fast_accum"));  // cuBLASLt only

@@ -12,8 +12,11 @@ extern "C" XLA_FFI_Error* JaxmxMxMatmulCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCpu(XLA_FFI_CallFrame* call_frame);
 
 #ifdef JAXMX_WITH_CUDA
-// cuBLASLt handlers (built when the CUDA runtime and cuBLASLt headers were found).
+// cuBLASLt handlers (built when the CUDA runtime and cuBLASLt headers were found), per target an
+// initialize stage (handle and plan, outside graph capture) and an execute stage.
+extern "C" XLA_FFI_Error* JaxmxMxMatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxMxMatmulCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxFp8MatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 

@@ -16,6 +16,9 @@
 #ifndef JAXMX_CUDA_INCLUDE_DIR
 #define JAXMX_CUDA_INCLUDE_DIR "unknown"  // set by CMake; not by other build systems
 #endif
+#ifndef JAXMX_CUDA_INCLUDE_DIRS
+#define JAXMX_CUDA_INCLUDE_DIRS JAXMX_CUDA_INCLUDE_DIR  // ':'-separated, set by CMake
+#endif
 #endif
 
 namespace nb = nanobind;
@@ -29,6 +32,17 @@ nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+#ifdef JAXMX_WITH_CUDA
+// A handler bundle: XLA runs `initialize` before each execution, outside graph capture.
+template <typename T>
+nb::dict Stages(T* initialize, T* execute) {
+  nb::dict stages;
+  stages["initialize"] = Capsule(initialize);
+  stages["execute"] = Capsule(execute);
+  return stages;
+}
+#endif
+
 nb::dict Registrations() {
   nb::dict platforms, cpu;
   cpu["jaxmx_mx_matmul"] = Capsule(JaxmxMxMatmulCpu);
@@ -36,8 +50,8 @@ nb::dict Registrations() {
   platforms["cpu"] = cpu;
 #ifdef JAXMX_WITH_CUDA
   nb::dict cuda;
-  cuda["jaxmx_mx_matmul"] = Capsule(JaxmxMxMatmulCuda);
-  cuda["jaxmx_fp8_matmul"] = Capsule(JaxmxFp8MatmulCuda);
+  cuda["jaxmx_mx_matmul"] = Stages(JaxmxMxMatmulCudaInitialize, JaxmxMxMatmulCuda);
+  cuda["jaxmx_fp8_matmul"] = Stages(JaxmxFp8MatmulCudaInitialize, JaxmxFp8MatmulCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;
@@ -77,6 +91,7 @@ nb::dict BuildInfo() {
   );
 #ifdef JAXMX_WITH_CUDA
   info["cuda_include_dir"] = std::string(JAXMX_CUDA_INCLUDE_DIR);
+  info["cuda_include_dirs"] = std::string(JAXMX_CUDA_INCLUDE_DIRS);
   info["cudart_header_version"] = int(CUDART_VERSION);
   info["cublas_header_version"] = int(CUBLAS_VERSION);
 #endif
@@ -98,7 +113,8 @@ NB_MODULE(_ffi, m) {
   m.attr("has_cuda") = false;
 #endif
   m.def("registrations", &Registrations,
-        "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
+        "{platform: {target name: handler capsule, or {stage: capsule}}} for "
+        "jax.ffi.register_ffi_target.");
   m.def("build_info", &BuildInfo, "How the extension was built (CUDA header versions, compiler).");
   m.def(
       "align_workspace",

@@ -3,22 +3,29 @@
 
 Usage (from the repository root):
 
-    python scripts/gpu_check.py --install   # pip-install CUDA header wheels + jaxmx, then check
+    python scripts/gpu_check.py --install   # build + install jaxmx from this checkout, then check
     python scripts/gpu_check.py             # check the jaxmx that is installed
     python scripts/gpu_check.py --size 4096 --iters 10
 
-Needs JAX with a CUDA backend (``pip install "jax[cuda13]"`` or ``"jax[cuda12]"``). Steps:
+Needs JAX with a CUDA backend (``jax[cuda13]`` or ``jax[cuda12]``), and for ``--install`` the
+build tools and CUDA header wheels already installed (``--install`` uses no network; it names
+what is missing). Runs in under 5 minutes on one GPU and prints its run time. Steps:
 
 1. report: devices, compute capability, CUDA driver/runtime, cuBLASLt, the extension's build;
 2. per-tensor FP8 (compute capability >= 8.9): ``jaxmx.ffi.fp8_matmul`` against an emulation
    computed here (decoded operands times their scales, ``jnp.dot`` in float32, HIGHEST precision)
-   and against the C++ CPU handler;
+   and against the C++ CPU handler, including a batched call with one scale per batch element,
+   and on hosts with several GPUs a call on each device;
 3. MX (compute capability >= 10.0): ``jaxmx.ffi.mx_matmul`` against ``jaxmx.dequantize`` +
    ``jnp.dot`` in float32, and against the CPU handler, over odd shapes, E4M3/E5M2 mixes, every
-   output dtype, batch dims and vmap; below 10.0 it checks the call fails with the capability
-   error instead;
-4. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
-   and without quantization), as TFLOP/s and as a ratio to bf16, all measured in this run.
+   output dtype, operands whose exponents vary per row and per block on both sides, batch dims
+   and vmap, and against ``jax.nn.scaled_matmul`` (cuDNN); below 10.0 it checks the call fails
+   with the capability error instead;
+4. CUDA graphs: the GEMMs jitted in a fresh process with XLA's command buffers enabled for
+   custom calls, on new shapes, run twice with different operands;
+5. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
+   and without quantization), as TFLOP/s and as a ratio to bf16, all measured in this run, and
+   the outputs of the timed GEMMs checked against the emulation.
 
 Exits 1 if a check fails, 2 if there is no CUDA device or the cuBLASLt handler is missing.
 """
@@ -26,15 +33,21 @@ Exits 1 if a check fails, 2 if there is no CUDA device or the cuBLASLt handler i
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADER_WHEELS = ["nvidia-cublas", "nvidia-cuda-runtime", "nvidia-cuda-crt", "nvidia-cuda-cccl"]
+BUILD_TOOLS = ["scikit-build-core", "nanobind"]
+TIME_BUDGET_S = 300
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 FAILURES: list[str] = []
 
@@ -49,14 +62,34 @@ def check(name: str, ok: bool, detail: str = "") -> None:
         FAILURES.append(name)
 
 
+def missing_for_install() -> list[str]:
+    """The packages a network-free build of jaxmx with the cuBLASLt handler needs and lacks."""
+    missing = []
+    for name in HEADER_WHEELS + BUILD_TOOLS:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    if shutil.which("cmake") is None:
+        try:
+            importlib.metadata.distribution("cmake")
+        except importlib.metadata.PackageNotFoundError:
+            missing.append("cmake")
+    return missing
+
+
 def install() -> None:
-    """Header wheels (so the cuBLASLt handler compiles), then jaxmx from this checkout."""
-    pip = [sys.executable, "-m", "pip", "install"]
-    log("== install: " + " ".join(HEADER_WHEELS))
-    subprocess.run([*pip, *HEADER_WHEELS], check=True)
-    log("== install: jaxmx (editable) from " + REPO)
+    """jaxmx from this checkout with the cuBLASLt handler, without network access (no build
+    isolation, no index): the header wheels and build tools must already be installed."""
+    missing = missing_for_install()
+    if missing:
+        log("== install: missing " + ", ".join(missing) + "; install them first (this needs")
+        log("   network): python -m pip install " + " ".join(missing))
+        sys.exit(2)
+    log("== install: jaxmx (editable, JAXMX_CUDA=ON, no network) from " + REPO)
+    pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-build-isolation"]
     env = dict(os.environ, JAXMX_CUDA="ON")  # fail loudly if the headers are not found
-    subprocess.run([*pip, "-v", "-e", REPO], check=True, env=env)
+    subprocess.run([*pip, "--no-deps", "-v", "-e", REPO], check=True, env=env)
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -111,13 +144,16 @@ def report():
 
 
 def max_error(out, ref, abs_sum, out_dtype):
-    """Worst |out - ref| in units of the bound eps_out * |ref| + 2^-12 * sum|products|."""
+    """Worst |out - ref| in units of the bound eps_out * |ref| + 2^-12 * sum|products| + tiny_out
+    (tiny_out: half the spacing of the output type's subnormals)."""
     import numpy as np
 
-    eps = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}[str(np.dtype(out_dtype))]
+    name = str(np.dtype(out_dtype))
+    eps = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}[name]
+    tiny = {"float32": 2.0**-150, "bfloat16": 2.0**-134, "float16": 2.0**-25}[name]
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
-    bound = eps * np.abs(ref) + 2.0**-12 * np.asarray(abs_sum, np.float64) + 1e-30
+    bound = eps * np.abs(ref) + 2.0**-12 * np.asarray(abs_sum, np.float64) + tiny
     return float(np.max(np.abs(out - ref) / bound))
 
 
@@ -162,6 +198,71 @@ def check_fp8(gpu, cpu, capability):
                 check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
         except Exception as e:
             check(name, False, f"{type(e).__name__}: {e}")
+    check_fp8_batched(gpu, cpu)
+    probe_unpadded_n(gpu)
+
+
+def check_fp8_batched(gpu, cpu):
+    """[3, M, K] x [3, N, K] with one scale pair per batch element (per-batch cuBLASLt calls)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmx import ffi
+
+    name = "fp8 batched [3, 96, 80, 64], one scale per batch element"
+    try:
+        ka, kb = jax.random.split(jax.random.key(5))
+        x = jax.random.normal(ka, (3, 96, 64)) * jnp.asarray([1.0, 2.0**-8, 2.0**6])[:, None, None]
+        w = jax.random.normal(kb, (3, 80, 64)) * jnp.asarray([2.0**5, 1.0, 2.0**-4])[:, None, None]
+        a8, sa = jax.vmap(lambda t: _per_tensor(t, jnp.float8_e4m3fn))(x)
+        b8, sb = jax.vmap(lambda t: _per_tensor(t, jnp.float8_e5m2))(w)
+        f = jax.jit(lambda a, b, s, t: ffi.fp8_matmul(a, b, s, t, jnp.float32))
+        out = f(*jax.device_put((a8, b8, sa, sb), gpu))
+        xs = a8.astype(jnp.float32) * sa[:, None, None]
+        ys = b8.astype(jnp.float32) * sb[:, None, None]
+        ref = jnp.einsum("bmk,bnk->bmn", xs, ys, precision="highest")
+        abs_sum = jnp.einsum("bmk,bnk->bmn", abs(xs), abs(ys), precision="highest")
+        err = max_error(out, ref, abs_sum, jnp.float32)
+        check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
+        err = max_error(out, f(*jax.device_put((a8, b8, sa, sb), cpu)), abs_sum, jnp.float32)
+        check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+
+
+def probe_unpadded_n(gpu):
+    """Whether cuBLASLt takes N % 16 != 0 when each output row stays 16-byte aligned (float32,
+    N = 132): the custom call called directly, without the rhs pad the library applies.
+    Informational: says whether that pad (a copy of the rhs and a slice of the output) could be
+    smaller; it does not fail the run."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmx import ffi
+
+    name = "probe: fp8 N = 132 (N % 16 = 4, output rows 16-byte aligned), no rhs pad"
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, (64, 128)).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(kb, (132, 128)).astype(jnp.float8_e4m3fn)
+    one = jnp.ones((), jnp.float32)
+    call = jax.ffi.ffi_call(
+        ffi.FP8_TARGET,
+        (
+            jax.ShapeDtypeStruct((64, 132), jnp.float32),
+            jax.ShapeDtypeStruct((ffi.WORKSPACE_BYTES + 256,), jnp.uint8),
+        ),
+    )
+    try:
+        ffi.register_targets()
+        out, _ = jax.jit(lambda a, b, s: call(a, b, s, s, fast_accum=False))(
+            *jax.device_put((a, b, one), gpu)
+        )
+        x, y = a.astype(jnp.float32), b.astype(jnp.float32)
+        ref = jnp.dot(x, y.T, precision="highest")
+        err = max_error(out, ref, jnp.dot(abs(x), abs(y).T, precision="highest"), jnp.float32)
+        log(f"  [INFO] {name}: accepted, error {err:.3g} of bound")
+    except Exception as e:
+        log(f"  [INFO] {name}: refused ({str(e).splitlines()[0][:200]})")
 
 
 def _per_tensor(x, dtype):
@@ -211,8 +312,7 @@ def check_mx(gpu, cpu, capability, small=False):
         name = f"mx {fa} x {fb} -> {jnp.dtype(out_dtype).name} [{m}, {n}, {k}]"
         try:
             key, ka, kb = jax.random.split(key, 3)
-            x = jax.random.normal(ka, (m, k)) * jnp.exp2(jax.random.randint(ka, (m, 1), -6, 7))
-            w = jax.random.normal(kb, (n, k))
+            x, w = exponent_varied(ka, (m, k)), exponent_varied(kb, (n, k))
             a, b = jax.device_put((jaxmx.quantize(x, fa), jaxmx.quantize(w, fb)), gpu)
             f = jax.jit(lambda a, b, o=out_dtype: ffi.mx_matmul(a, b, o))
             out = f(a, b)
@@ -248,6 +348,144 @@ def check_mx(gpu, cpu, capability, small=False):
         check(name, err <= 1.0, f"error {err:.3g} of bound")
     except Exception as e:
         check(name, False, f"{type(e).__name__}: {e}")
+    check_against_cudnn(gpu)
+
+
+def exponent_varied(key, shape):
+    """Normal data times 2^e, e varying per row (-8..2) and per 32-element block (-3..1): scales
+    differ across rows and blocks, and float16 results stay finite."""
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2, k3 = jax.random.split(key, 3)
+    blocks = -(-shape[-1] // 32)
+    row = jax.random.randint(k2, (*shape[:-1], 1), -8, 3)
+    block = jax.random.randint(k3, (*shape[:-1], blocks), -3, 2)
+    e = row + jnp.repeat(block, 32, axis=-1)[..., : shape[-1]]
+    return jax.random.normal(k1, shape) * jnp.exp2(e.astype(jnp.float32))
+
+
+def check_against_cudnn(gpu):
+    """The MX GEMM against jax.nn.scaled_matmul (cuDNN's block-scaled GEMM), same operands."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmx
+    from jaxmx import ffi
+
+    name = "mx vs jax.nn.scaled_matmul (cuDNN) [2, 256, 384, 512]"
+    if gpu.platform != "gpu":
+        log(f"  [SKIP] {name}: cuDNN only (no CPU lowering)")
+        return
+    try:
+        ka, kb = jax.random.split(jax.random.key(6))
+        a = jaxmx.quantize(exponent_varied(ka, (2, 256, 512)))
+        b = jaxmx.quantize(exponent_varied(kb, (2, 384, 512)), "mxfp8_e5m2")
+        a, b = jax.device_put((a, b), gpu)
+        ours = jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.float32))(a, b)
+        cudnn = jax.jit(
+            lambda a, b: jax.nn.scaled_matmul(
+                a.data, b.data, a.scale, b.scale, preferred_element_type=jnp.float32
+            )
+        )(a, b)
+        xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
+        abs_sum = jnp.einsum("bmk,bnk->bmn", abs(xd), abs(wd), precision="highest")
+        err = max_error(ours, cudnn, abs_sum, jnp.float32)
+        check(name, err <= 1.0, f"error {err:.3g} of bound")
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+
+
+def check_devices(gpus, cpu):
+    """On a host with several GPUs, the per-tensor GEMM on each (one cuBLASLt handle per device,
+    created with that device current), against the CPU handler."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmx import ffi
+
+    if len(gpus) < 2:
+        return
+    name = "fp8 on every device"
+    try:
+        ka, kb = jax.random.split(jax.random.key(8))
+        a8, sa = _per_tensor(jax.random.normal(ka, (128, 256)), jnp.float8_e4m3fn)
+        b8, sb = _per_tensor(jax.random.normal(kb, (96, 256)), jnp.float8_e4m3fn)
+        f = jax.jit(lambda a, b, s, t: ffi.fp8_matmul(a, b, s, t, jnp.float32))
+        expected = f(*jax.device_put((a8, b8, sa, sb), cpu))
+        xs, ys = a8.astype(jnp.float32) * sa, b8.astype(jnp.float32) * sb
+        abs_sum = jnp.dot(abs(xs), abs(ys).T, precision="highest")
+        errors = []
+        for d in reversed(gpus):  # the last device first: not the default one
+            out = f(*jax.device_put((a8, b8, sa, sb), d))
+            errors.append(max_error(out, expected, abs_sum, jnp.float32))
+        check(f"{name} ({len(gpus)} GPUs)", max(errors) <= 1.0, f"errors {errors} of bound")
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+
+GRAPH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp
+    import jaxmx
+    from jaxmx import ffi
+
+    def bound_error(out, xd, wd):
+        ref = jnp.einsum("...mk,...nk->...mn", xd, wd, precision="highest")
+        abs_sum = jnp.einsum("...mk,...nk->...mn", abs(xd), abs(wd), precision="highest")
+        return float(jnp.max(jnp.abs(out - ref) / (2.0**-12 * abs_sum + 1e-30)))
+
+    mx = sys.argv[1] == "mx"
+    f = jax.jit(lambda a, b: 2.0 * (ffi.mx_matmul(a, b, jnp.float32) if mx else
+                                    ffi.fp8_matmul(a, b, 0.5, 1.0, jnp.float32)) + 1.0)
+    for shape in ((2, 136, 72, 160), (1, 520, 264, 96)):
+        for run in range(2):  # the second run replays (or updates) the recorded graph
+            ka, kb = jax.random.split(jax.random.key(10 * run + shape[1]))
+            x = jax.random.normal(ka, (*shape[:2], shape[3]))
+            w = jax.random.normal(kb, (shape[0], shape[2], shape[3]))
+            if mx:
+                a, b = jaxmx.quantize(x), jaxmx.quantize(w)
+                xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
+            else:
+                a, b = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+                xd, wd = 0.5 * a.astype(jnp.float32), b.astype(jnp.float32)
+            out = (f(a, b) - 1.0) / 2.0
+            text = f.lower(a, b).compile().as_text()
+            print(shape, run, bound_error(out, xd, wd), "command_buffer" in text, flush=True)
+    """
+)
+
+
+def check_graphs(capability, platform: str):
+    """The GEMMs captured into CUDA graphs: a fresh process with command buffers enabled for
+    custom calls (XLA flags must be set before JAX starts), new shapes, two runs each."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS))
+    env["JAX_PLATFORMS"] = "cuda" if platform == "gpu" else "cpu"
+    log(f"== CUDA graphs (XLA_FLAGS {GRAPH_FLAGS})")
+    kinds = (["fp8"] if capability >= (8, 9) else []) + (["mx"] if capability >= (10, 0) else [])
+    for kind in kinds:
+        name = f"{kind} GEMM in a command buffer"
+        try:
+            run = subprocess.run(
+                [sys.executable, "-c", GRAPH_SCRIPT, kind],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
+            if run.returncode != 0:
+                check(name, False, run.stderr.strip().splitlines()[-1][:300])
+                continue
+            for line in run.stdout.strip().splitlines():
+                *what, err, captured = line.rsplit(" ", 2)
+                ok = float(err) <= 1.0 and (captured == "True" or platform != "gpu")
+                check(f"{name} {' '.join(what)}", ok, f"error {float(err):.3g} of bound, "
+                      f"{'in' if captured == 'True' else 'NOT in'} a command buffer")  # fmt: skip
+        except Exception as e:
+            check(name, False, f"{type(e).__name__}: {e}")
 
 
 # --- speed ------------------------------------------------------------------------------------
@@ -291,27 +529,50 @@ def speed(gpu, capability, size: int, iters: int) -> None:
     try:
         a8, sa = _per_tensor(x.astype(jnp.float32), jnp.float8_e4m3fn)
         b8, sb = _per_tensor(w.astype(jnp.float32), jnp.float8_e4m3fn)
-        fp8 = jax.jit(lambda a, b, s, t: ffi.fp8_matmul(a, b, s, t, jnp.bfloat16))
-        rows.append(("fp8 per-tensor (cuBLASLt)", bench(fp8, a8, b8, sa, sb, iters=iters)))
+        for fast_accum in (False, True):
+            fp8 = jax.jit(
+                lambda a, b, s, t, f=fast_accum: ffi.fp8_matmul(
+                    a, b, s, t, jnp.bfloat16, fast_accum=f
+                )
+            )
+            label = "fp8 per-tensor (cuBLASLt)" + (", fast accumulation" if fast_accum else "")
+            rows.append((label, bench(fp8, a8, b8, sa, sb, iters=iters)))
+            xs, ws = a8.astype(jnp.float32) * sa, b8.astype(jnp.float32) * sb
+            check_speed_output(label, fp8(a8, b8, sa, sb), xs, ws)
     except Exception as e:
-        log(f"  fp8 per-tensor: {type(e).__name__}: {e}")
+        check("fp8 per-tensor speed run", False, f"{type(e).__name__}: {e}")
     if capability >= (10, 0):
         try:
             a, b = jaxmx.quantize(x), jaxmx.quantize(w)
+            xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
             mx = jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.bfloat16))
             rows.append(("mxfp8 (cuBLASLt), pre-quantized", bench(mx, a, b, iters=iters)))
+            check_speed_output(rows[-1][0], mx(a, b), xd, wd)
             mxq = jax.jit(lambda x, w: ffi.mx_matmul(jaxmx.quantize(x), jaxmx.quantize(w)))
             rows.append(("mxfp8 (cuBLASLt), quantize included", bench(mxq, x, w, iters=iters)))
+            check_speed_output(rows[-1][0], mxq(x, w), xd, wd)
         except Exception as e:
-            log(f"  mxfp8: {type(e).__name__}: {e}")
+            check("mxfp8 speed run", False, f"{type(e).__name__}: {e}")
     for name, t in rows:
         rate = flops / t / 1e12
         log(f"  {name:38s} {t * 1e3:8.3f} ms  {rate:8.1f} TFLOP/s  {bf16 / t:5.2f}x bf16")
 
 
+def check_speed_output(label: str, out, xd, wd) -> None:
+    """The output of a timed GEMM against the float32 GEMM of its dequantized operands."""
+    import jax.numpy as jnp
+
+    ref = jnp.dot(xd, wd.T, precision="highest", preferred_element_type=jnp.float32)
+    abs_sum = jnp.dot(abs(xd), abs(wd).T, precision="highest", preferred_element_type=jnp.float32)
+    err = max_error(out, ref, abs_sum, out.dtype)
+    check(f"speed run output: {label}", err <= 1.0, f"error {err:.3g} of bound")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--install", action="store_true", help="pip-install header wheels + jaxmx")
+    parser.add_argument(
+        "--install", action="store_true", help="build + install jaxmx here first (no network)"
+    )
     parser.add_argument("--size", type=int, default=8192, help="M = N = K of the timing problem")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed run")
     parser.add_argument("--skip-speed", action="store_true")
@@ -328,16 +589,17 @@ def main() -> int:
 
     import jax
 
+    start = time.perf_counter()
     gpus = report()
     if args.cpu_dry_run:
         cpu = jax.devices("cpu")[0]
         log("== CPU dry run: the CPU handler stands in for cuBLASLt, as if compute capability 10.0")
         check_fp8(cpu, cpu, (10, 0))
         check_mx(cpu, cpu, (10, 0), small=True)
+        check_graphs((10, 0), "cpu")
         if not args.skip_speed:
             speed(cpu, (10, 0), args.size, args.iters)
-        log("== result: " + ("all checks passed" if not FAILURES else f"FAILED: {FAILURES}"))
-        return 1 if FAILURES else 0
+        return finish(start)
     if not gpus:
         log("no CUDA device: nothing to check (install jax[cuda13] on a GPU machine)")
         return 2
@@ -349,7 +611,11 @@ def main() -> int:
     gpu, cpu = gpus[0], jax.devices("cpu")[0]
     jax.config.update("jax_default_device", gpu)
     cc = tuple(int(p) for p in str(gpu.compute_capability).split(".")[:2])
-    for step in (lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)):
+    steps = [lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)]
+    steps.append(lambda: check_graphs(cc, "gpu"))
+    if cc >= (8, 9):
+        steps.append(lambda: check_devices(gpus, cpu))
+    for step in steps:
         try:
             step()
         except Exception:
@@ -357,6 +623,13 @@ def main() -> int:
             FAILURES.append("unexpected exception")
     if not args.skip_speed:
         speed(gpu, cc, args.size, args.iters)
+    return finish(start)
+
+
+def finish(start: float) -> int:
+    """Prints the run time (checked against the 5-minute budget) and the result."""
+    seconds = time.perf_counter() - start
+    check(f"run time {seconds:.0f} s", seconds <= TIME_BUDGET_S, f"budget {TIME_BUDGET_S} s")
     log("== result: " + ("all checks passed" if not FAILURES else f"FAILED: {FAILURES}"))
     return 1 if FAILURES else 0
 

@@ -216,6 +216,15 @@ def test_per_tensor_fp8_matches_numpy():
         assert_gemm_close(out, exact, np.abs(x) @ np.abs(y).T, k, out_dtype)
 
 
+def test_fast_accum_reaches_the_custom_call_and_the_cpu_ignores_it():
+    x = random_codes_mx(np.random.default_rng(6), 4, 32, E4M3).data
+    fast = jax.jit(lambda a: ffi.fp8_matmul(a, a, 1.0, 0.5, jnp.float32, fast_accum=True))
+    assert "fast_accum = true" in fast.lower(x).as_text()
+    np.testing.assert_array_equal(fast(x), ffi.fp8_matmul(x, x, 1.0, 0.5, jnp.float32))
+    plain = jax.jit(lambda a: ffi.fp8_matmul(a, a, 1.0, 0.5, jnp.float32))
+    assert "fast_accum = false" in plain.lower(x).as_text()
+
+
 def test_per_tensor_fp8_batched_scales_and_vmap():
     rng = np.random.default_rng(4)
     a = jnp.stack([random_codes_mx(rng, 6, 32, E4M3).data for _ in range(3)])
@@ -330,10 +339,11 @@ def test_python_side_errors():
 
 def raw_call(target, out_shape, out_dtype, *args):
     ffi.register_targets()
+    attributes = {"fast_accum": False} if target == "jaxmx_fp8_matmul" else {}
     out, _ = jax.ffi.ffi_call(
         target,
         (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),
-    )(*args)
+    )(*args, **attributes)
     return np.asarray(out)
 
 
@@ -444,7 +454,9 @@ def test_cuda_handler_built_when_asked_for():
     assert info["has_cuda"] == _ffi.has_cuda
     assert _ffi.has_cuda, "JAXMX_CUDA=ON but the extension has no cuBLASLt handler"
     assert info["cublas_header_version"] >= 120800
-    assert "CUDA" in _ffi.registrations()
+    cuda = _ffi.registrations()["CUDA"]
+    for target in ("jaxmx_mx_matmul", "jaxmx_fp8_matmul"):  # setup outside graph capture
+        assert set(cuda[target]) == {"initialize", "execute"}, target
 
 
 def test_cuda_libraries_resolve_when_installed():

@@ -1,4 +1,5 @@
-"""The code base stays lint-clean and formatted: ruff (pyproject.toml) and clang-format (ffi/)."""
+"""The code base stays lint-clean and formatted: ruff (pyproject.toml) and clang-format (the C++
+of ffi/ and tests/)."""
 
 import pathlib
 import subprocess
@@ -24,7 +25,9 @@ def test_ruff_format_is_clean():
 
 
 def test_clang_format_is_clean():
-    sources = sorted(str(p) for p in (ROOT / "ffi").iterdir() if p.suffix in (".cc", ".h"))
+    sources = sorted(
+        str(p) for d in ("ffi", "tests") for p in (ROOT / d).iterdir() if p.suffix in (".cc", ".h")
+    )
     result = subprocess.run(
         ["clang-format", "--dry-run", "--Werror", *sources],
         cwd=ROOT,

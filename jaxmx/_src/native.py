@@ -163,7 +163,9 @@ def _pad_rows(data, scale, multiple: int):
 # --- per-tensor FP8 GEMM --------------------------------------------------------------------
 
 
-def fp8_matmul(a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16) -> jax.Array:
+def fp8_matmul(
+    a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16, *, fast_accum: bool = False
+) -> jax.Array:
     """``(a_scale * b_scale) * (a @ b^T)`` for FP8 operands with per-tensor float32 scales.
 
     The cuBLASLt FP8 GEMM (compute capability >= 8.9, Hopper included) through the same
@@ -176,6 +178,9 @@ def fp8_matmul(a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16) -> jax.Ar
         a_scale, b_scale: float32 scalars (or one per batch element, shaped like the batch dims)
             that dequantize the operands: ``a = a_scale * a_fp8``.
         out_dtype: bfloat16 (default), float16 or float32.
+        fast_accum: cuBLASLt's FP8 fast accumulation (``CUBLASLT_MATMUL_DESC_FAST_ACCUM``):
+            faster on Hopper, with partial sums promoted to full float32 less often; meant for
+            forward GEMMs (gradients keep the default). The CPU handler ignores it.
 
     Example:
         >>> import jax.numpy as jnp
@@ -220,18 +225,26 @@ def fp8_matmul(a_fp8, b_fp8, a_scale, b_scale, out_dtype=jnp.bfloat16) -> jax.Ar
         scales.append(jnp.broadcast_to(s.astype(jnp.float32), batch))
     out_dtype = check_float_dtype(out_dtype, "fp8_matmul: out_dtype")
     extension.register_targets()
-    return _fp8_call(out_dtype)(a_fp8, b_fp8, *scales)
+    return _fp8_call(out_dtype, bool(fast_accum))(a_fp8, b_fp8, *scales)
 
 
 @functools.cache
-def _fp8_call(out_dtype):
+def _fp8_call(out_dtype, fast_accum: bool):
     def prepare(n_multiple, a_fp8, b_fp8, a_scale, b_scale):
         b_fp8, _, n = _pad_rows(b_fp8, b_scale, n_multiple)
         return (a_fp8, b_fp8, a_scale, b_scale), n
 
     def impl(a_fp8, b_fp8, a_scale, b_scale):
         return _custom_call(
-            FP8_TARGET, "fp8_matmul", out_dtype, prepare, a_fp8, b_fp8, a_scale, b_scale
+            FP8_TARGET,
+            "fp8_matmul",
+            out_dtype,
+            prepare,
+            a_fp8,
+            b_fp8,
+            a_scale,
+            b_scale,
+            attributes={"fast_accum": fast_accum},
         )
 
     return jax.jit(vmappable(impl, fold=(True, False, False, False)))
@@ -243,8 +256,9 @@ def _fp8_call(out_dtype):
 _PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES + 256, _N_MULTIPLE))
 
 
-def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:
-    """``target`` on ``(a, b, a_scale, b_scale)``, lowered per platform.
+def _custom_call(target: str, fn: str, out_dtype, prepare, *args, attributes=None) -> jax.Array:
+    """``target`` on ``(a, b, a_scale, b_scale)`` with the custom call's ``attributes``, lowered
+    per platform.
 
     ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
     ``n_multiple``, and the number of output columns to keep. Platforms without a handler
@@ -262,7 +276,7 @@ def _custom_call(target: str, fn: str, out_dtype, prepare, *args) -> jax.Array:
                     jax.ShapeDtypeStruct(out_shape, out_dtype),
                     jax.ShapeDtypeStruct((workspace,), jnp.uint8),
                 ),
-            )(*operands)
+            )(*operands, **(attributes or {}))
             # inside shard_map: varying like the operands (ffi_call results are not)
             return vary_like(out[..., :n], *args)
 

@@ -1,0 +1,367 @@
+#include "cublaslt_gemm.h"
+
+#include <tuple>
+#include <utility>
+
+#include "layout.h"
+
+namespace jaxmx {
+namespace {
+
+const char* TypeName(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_8F_E4M3:
+      return "float8_e4m3fn";
+    case CUDA_R_8F_E5M2:
+      return "float8_e5m2";
+    case CUDA_R_16BF:
+      return "bfloat16";
+    case CUDA_R_16F:
+      return "float16";
+    case CUDA_R_32F:
+      return "float32";
+    default:
+      return "an unsupported type";
+  }
+}
+
+int64_t TypeBytes(cudaDataType_t t) {
+  return t == CUDA_R_32F ? 4 : (t == CUDA_R_16BF || t == CUDA_R_16F) ? 2 : 1;
+}
+
+std::string Capability(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
+
+std::string Version(int v) {  // 120803 -> "12.8.3"
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." +
+         std::to_string(v % 100);
+}
+
+LtStatus Error(LtCode code, std::string message) { return {code, std::move(message)}; }
+
+std::string CublasError(const CublasLtApi& api, const char* what, cublasStatus_t s) {
+  return std::string(what) + " failed: " + api.cublasLtGetStatusString(s) + " (" +
+         std::to_string(static_cast<int>(s)) + ")";
+}
+
+// Runs `fn` with `ordinal` as the calling thread's current CUDA device, then restores the
+// previous one (the handle and the heuristic belong to the device of the call, not to whichever
+// device the thread last used).
+template <typename Fn>
+LtStatus OnDevice(const CublasLtApi& api, int ordinal, Fn&& fn) {
+  int previous = 0;
+  cudaError_t e = api.cudaGetDevice(&previous);
+  if (e == cudaSuccess && previous != ordinal) e = api.cudaSetDevice(ordinal);
+  if (e != cudaSuccess)
+    return Error(LtCode::kInternal, "selecting CUDA device " + std::to_string(ordinal) +
+                                        " failed: " + api.cudaGetErrorString(e));
+  LtStatus status = fn();
+  if (previous != ordinal) api.cudaSetDevice(previous);
+  return status;
+}
+
+// Largest power of two <= 256 that divides the address of every batch element.
+uint32_t Alignment(const void* base, int64_t stride_bytes, int64_t batch) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(base) | 256u;
+  if (batch > 1) bits |= static_cast<uint64_t>(stride_bytes);
+  return static_cast<uint32_t>(bits & (~bits + 1));
+}
+
+// Batch elements one cublasLtMatmul covers: all of them for MX (strided batch: each operand,
+// the output and each scale tensor advance by one element's size), one for per-tensor scales.
+int64_t StridedBatch(const LtGemm& g) {
+  return g.scaling == LtScaling::kBlockVec32E8M0 ? g.batch : 1;
+}
+
+}  // namespace
+
+bool LtContext::PlanKey::operator<(const PlanKey& o) const {
+  return std::tie(device, scaling, lhs_type, rhs_type, out_type, batch, m, n, k, align_lhs,
+                  align_rhs, align_out, workspace, fast_accum) <
+         std::tie(o.device, o.scaling, o.lhs_type, o.rhs_type, o.out_type, o.batch, o.m, o.n, o.k,
+                  o.align_lhs, o.align_rhs, o.align_out, o.workspace, o.fast_accum);
+}
+
+LtContext::LtContext(const CublasLtApi& api)
+    : api_(api), cublaslt_version_(static_cast<int>(api.cublasLtGetVersion())) {}
+
+LtContext::~LtContext() {
+  for (auto& [key, plan] : plans_) Destroy(*plan);
+  for (auto& [ordinal, device] : devices_) {
+    if (device->handle != nullptr) api_.cublasLtDestroy(device->handle);
+  }
+}
+
+void LtContext::Destroy(Plan& plan) const {
+  if (plan.a != nullptr) api_.cublasLtMatrixLayoutDestroy(plan.a);
+  if (plan.b != nullptr) api_.cublasLtMatrixLayoutDestroy(plan.b);
+  if (plan.d != nullptr) api_.cublasLtMatrixLayoutDestroy(plan.d);
+  if (plan.desc != nullptr) api_.cublasLtMatmulDescDestroy(plan.desc);
+}
+
+LtStatus LtContext::GetDevice(int ordinal, Device** device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = devices_.find(ordinal);
+  if (it == devices_.end()) {
+    auto made = std::make_unique<Device>();
+    int major = 0, minor = 0;
+    cudaError_t e = api_.cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal);
+    if (e == cudaSuccess)
+      e = api_.cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal);
+    if (e != cudaSuccess) {
+      made->error = "cudaDeviceGetAttribute(device " + std::to_string(ordinal) +
+                    ") failed: " + api_.cudaGetErrorString(e);
+    } else {
+      made->capability = major * 10 + minor;
+      const LtStatus created = OnDevice(api_, ordinal, [&] {
+        const cublasStatus_t s = api_.cublasLtCreate(&made->handle);
+        return s == CUBLAS_STATUS_SUCCESS
+                   ? LtStatus{}
+                   : Error(LtCode::kInternal, CublasError(api_, "cublasLtCreate", s));
+      });
+      if (!created.ok()) made->error = created.message;
+    }
+    it = devices_.emplace(ordinal, std::move(made)).first;
+  }
+  *device = it->second.get();
+  if (!(*device)->error.empty()) return Error(LtCode::kInternal, (*device)->error);
+  return {};
+}
+
+// What the device and the loaded cuBLASLt support, compute capability first (an old cuBLASLt on
+// an old GPU is told about the GPU).
+LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) const {
+  const std::string on = "device " + std::to_string(ordinal) + " has compute capability " +
+                         Capability(device.capability);
+  if (g.batch < 0 || g.m < 0 || g.n < 0 || g.k < 0)
+    return Error(LtCode::kInvalidArgument, "negative GEMM dimensions");
+  if (g.lhs_type == CUDA_R_8F_E5M2 && g.rhs_type == CUDA_R_8F_E5M2)
+    return Error(LtCode::kUnimplemented,
+                 "cuBLASLt has no float8_e5m2 x float8_e5m2 matmul (its FP8 GEMMs take E4M3 x "
+                 "E4M3, E4M3 x E5M2 and E5M2 x E4M3); make one operand float8_e4m3fn");
+  if (g.scaling == LtScaling::kBlockVec32E8M0) {
+    if (device.capability < 100)
+      return Error(LtCode::kFailedPrecondition,
+                   on + "; MX block scaling (CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0) needs "
+                        "compute capability >= 10.0 and CUDA >= 12.8 (use the emulation "
+                        "backend on this device)");
+    if (cublaslt_version_ < 120800)
+      return Error(LtCode::kFailedPrecondition,
+                   "cuBLASLt " + Version(cublaslt_version_) +
+                       " is loaded; MX block scaling needs CUDA/cuBLASLt >= 12.8");
+    if (g.k % kBlock != 0)
+      return Error(
+          LtCode::kInvalidArgument,
+          "K must be a multiple of 32 for MX block scaling, got K = " + std::to_string(g.k));
+  } else {
+    if (device.capability < 89)
+      return Error(LtCode::kFailedPrecondition,
+                   on + "; cuBLASLt FP8 matmul needs compute capability >= 8.9");
+    if (g.k % 16 != 0)
+      return Error(LtCode::kInvalidArgument,
+                   "cuBLASLt FP8 matmul needs K % 16 == 0, got K = " + std::to_string(g.k));
+  }
+  return {};
+}
+
+LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtGemm& g,
+                             Plan* plan) {
+  LtStatus status;
+  auto check = [&](cublasStatus_t s, const char* what) {
+    if (s != CUBLAS_STATUS_SUCCESS && status.ok())
+      status = Error(LtCode::kInternal, CublasError(api_, what, s));
+    return s == CUBLAS_STATUS_SUCCESS;
+  };
+  auto set_desc = [&](cublasLtMatmulDescAttributes_t attr, const auto& value, const char* what) {
+    return check(api_.cublasLtMatmulDescSetAttribute(plan->desc, attr, &value, sizeof value), what);
+  };
+  if (!check(api_.cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+             "cublasLtMatmulDescCreate"))
+    return status;
+  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  if (!set_desc(CUBLASLT_MATMUL_DESC_TRANSA, op_t, "setting TRANSA") ||
+      !set_desc(CUBLASLT_MATMUL_DESC_TRANSB, op_n, "setting TRANSB"))
+    return status;
+  if (g.scaling == LtScaling::kBlockVec32E8M0) {
+    const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode, "setting A_SCALE_MODE") ||
+        !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode, "setting B_SCALE_MODE"))
+      return status;
+    const int64_t dummy_stride = 1;
+    if (cublaslt_version_ <= kLastCublasLtWithSharedHeuristicCache &&
+        !set_desc(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, dummy_stride,
+                  "setting ALPHA_VECTOR_BATCH_STRIDE"))
+      return status;
+  } else if (g.fast_accum) {
+    const int8_t on = 1;
+    if (!set_desc(CUBLASLT_MATMUL_DESC_FAST_ACCUM, on, "setting FAST_ACCUM")) return status;
+  }
+  // The heuristic sees this call's scale pointers; every call sets its own before the matmul.
+  if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.rhs_scale, "setting A_SCALE_POINTER") ||
+      !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.lhs_scale, "setting B_SCALE_POINTER"))
+    return status;
+
+  struct Matrix {
+    cublasLtMatrixLayout_t* layout;
+    cudaDataType_t type;
+    int64_t rows, cols;
+    const char* what;
+  };
+  const Matrix matrices[3] = {
+      {&plan->a, g.rhs_type, g.k, g.n, "the layout of A = rhs"},
+      {&plan->b, g.lhs_type, g.k, g.m, "the layout of B = lhs"},
+      {&plan->d, g.out_type, g.n, g.m, "the layout of D = out^T"},
+  };
+  const int32_t batch = static_cast<int32_t>(key.batch);
+  for (const Matrix& x : matrices) {
+    if (!check(api_.cublasLtMatrixLayoutCreate(x.layout, x.type, x.rows, x.cols, x.rows), x.what))
+      return status;
+    const int64_t stride = x.rows * x.cols;  // elements between batch elements
+    if (batch > 1 &&
+        (!check(api_.cublasLtMatrixLayoutSetAttribute(*x.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                                                      &batch, sizeof batch),
+                x.what) ||
+         !check(api_.cublasLtMatrixLayoutSetAttribute(
+                    *x.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+                x.what)))
+      return status;
+  }
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (!check(api_.cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"))
+    return status;
+  auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value,
+                      const char* what) {
+    return check(api_.cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value), what);
+  };
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  cublasStatus_t heuristic = CUBLAS_STATUS_SUCCESS;
+  if (set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, key.workspace,
+               "setting MAX_WORKSPACE_BYTES") &&
+      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_rhs,
+               "setting MIN_ALIGNMENT_A_BYTES") &&
+      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_lhs,
+               "setting MIN_ALIGNMENT_B_BYTES") &&
+      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out,
+               "setting MIN_ALIGNMENT_C_BYTES") &&
+      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out,
+               "setting MIN_ALIGNMENT_D_BYTES")) {
+    heuristic = api_.cublasLtMatmulAlgoGetHeuristic(device.handle, plan->desc, plan->a, plan->b,
+                                                    plan->d, plan->d, pref, 1, &result, &found);
+  }
+  api_.cublasLtMatmulPreferenceDestroy(pref);
+  if (!status.ok()) return status;
+  if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0) {
+    const bool mx = g.scaling == LtScaling::kBlockVec32E8M0;
+    return Error(
+        LtCode::kUnimplemented,
+        "cuBLASLt has no algorithm for " + std::string(mx ? "MX block-scaled" : "per-tensor FP8") +
+            " lhs " + TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " +
+            std::to_string(g.k) + "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) +
+            ", " + std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
+            std::to_string(key.batch) + ", on compute capability " + Capability(device.capability) +
+            " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
+            std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +
+            " bytes, workspace " + std::to_string(key.workspace) + " bytes)" +
+            (heuristic != CUBLAS_STATUS_SUCCESS ? ": " + CublasError(api_, "heuristic", heuristic)
+                                                : ""));
+  }
+  plan->algo = result.algo;
+  return {};
+}
+
+LtStatus LtContext::GetPlan(int ordinal, const Device& device, const LtGemm& g, uint64_t workspace,
+                            Plan** plan) {
+  const int64_t batch = StridedBatch(g), out_bytes = g.m * g.n * TypeBytes(g.out_type);
+  const PlanKey key{ordinal,
+                    static_cast<int>(g.scaling),
+                    static_cast<int>(g.lhs_type),
+                    static_cast<int>(g.rhs_type),
+                    static_cast<int>(g.out_type),
+                    batch,
+                    g.m,
+                    g.n,
+                    g.k,
+                    Alignment(g.lhs, g.m * g.k, g.batch),
+                    Alignment(g.rhs, g.n * g.k, g.batch),
+                    Alignment(g.out, out_bytes, g.batch),
+                    workspace,
+                    g.scaling == LtScaling::kTensorF32 && g.fast_accum};
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    auto made = std::make_unique<Plan>();
+    const LtStatus s =
+        OnDevice(api_, ordinal, [&] { return MakePlan(device, key, g, made.get()); });
+    if (!s.ok()) {
+      Destroy(*made);
+      return s;
+    }
+    it = plans_.emplace(key, std::move(made)).first;
+  }
+  *plan = it->second.get();
+  return {};
+}
+
+LtStatus LtContext::Prepare(int device, const LtGemm& gemm, void* workspace,
+                            uint64_t workspace_bytes) {
+  Device* dev = nullptr;
+  if (LtStatus s = GetDevice(device, &dev); !s.ok()) return s;
+  if (LtStatus s = Check(device, *dev, gemm); !s.ok()) return s;
+  if (gemm.batch == 0 || gemm.m == 0 || gemm.n == 0 || gemm.k == 0) return {};
+  Plan* plan = nullptr;
+  return GetPlan(device, *dev, gemm, AlignWorkspace(workspace, workspace_bytes).size, &plan);
+}
+
+LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes,
+                        cudaStream_t stream) {
+  Device* dev = nullptr;
+  if (LtStatus s = GetDevice(device, &dev); !s.ok()) return s;
+  if (LtStatus s = Check(device, *dev, gemm); !s.ok()) return s;
+  if (gemm.batch == 0 || gemm.m == 0 || gemm.n == 0) return {};
+  if (gemm.k == 0) {  // an empty sum: zeros
+    const size_t bytes =
+        static_cast<size_t>(gemm.batch * gemm.m * gemm.n * TypeBytes(gemm.out_type));
+    const cudaError_t e = api_.cudaMemsetAsync(gemm.out, 0, bytes, stream);
+    if (e != cudaSuccess)
+      return Error(LtCode::kInternal,
+                   std::string("cudaMemsetAsync failed: ") + api_.cudaGetErrorString(e));
+    return {};
+  }
+  const AlignedWorkspace ws = AlignWorkspace(workspace, workspace_bytes);
+  Plan* plan = nullptr;
+  if (LtStatus s = GetPlan(device, *dev, gemm, ws.size, &plan); !s.ok()) return s;
+  return Enqueue(*dev, gemm, *plan, ws.data, ws.size, stream);
+}
+
+LtStatus LtContext::Enqueue(const Device& device, const LtGemm& g, Plan& plan, void* workspace,
+                            uint64_t workspace_bytes, cudaStream_t stream) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const auto* a = static_cast<const uint8_t*>(g.rhs);
+  const auto* b = static_cast<const uint8_t*>(g.lhs);
+  const auto* a_scale = static_cast<const float*>(g.rhs_scale);
+  const auto* b_scale = static_cast<const float*>(g.lhs_scale);
+  auto* d = static_cast<uint8_t*>(g.out);
+  const int64_t calls = g.batch / StridedBatch(g), d_bytes = g.m * g.n * TypeBytes(g.out_type);
+  std::lock_guard<std::mutex> lock(plan.mu);
+  for (int64_t i = 0; i < calls; ++i) {  // per-tensor scales: one call per batch element
+    const void* sa = g.scaling == LtScaling::kTensorF32 ? a_scale + i : g.rhs_scale;
+    const void* sb = g.scaling == LtScaling::kTensorF32 ? b_scale + i : g.lhs_scale;
+    cublasStatus_t s = api_.cublasLtMatmulDescSetAttribute(
+        plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa);
+    if (s == CUBLAS_STATUS_SUCCESS)
+      s = api_.cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                              sizeof sb);
+    if (s != CUBLAS_STATUS_SUCCESS)
+      return Error(LtCode::kInternal, CublasError(api_, "setting the scale pointers", s));
+    void* di = d + i * d_bytes;
+    s = api_.cublasLtMatmul(device.handle, plan.desc, &alpha, a + i * g.n * g.k, plan.a,
+                            b + i * g.m * g.k, plan.b, &beta, di, plan.d, di, plan.d, &plan.algo,
+                            workspace, workspace_bytes, stream);
+    if (s != CUBLAS_STATUS_SUCCESS)
+      return Error(LtCode::kInternal, CublasError(api_, "cublasLtMatmul", s));
+  }
+  return {};
+}
+
+}  // namespace jaxmx

@@ -1,0 +1,627 @@
+// A test double of the CUDA runtime and cuBLASLt functions the cuBLASLt core (ffi/cublaslt_gemm.h)
+// calls, with host memory standing in for device memory, plus a C interface for the tests
+// (tests/test_cublaslt_core.py compiles this file with the core and loads it with ctypes).
+//
+// It implements the documented cuBLASLt behaviour the core relies on:
+//   D = alpha * scale_A * scale_B * op(A) op(B) (+ beta C, beta = 0 here), all column-major,
+//   FP8 A and B (E4M3 / E5M2), bf16 / f16 / f32 D, float32 accumulation;
+//   CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F (the default): one float32 per operand;
+//   CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0: one E8M0 byte per 32 elements along K of each row
+//   of op(A) / column of op(B), in the 128x4 tiled layout of the cuBLAS documentation;
+//   strided batches (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT / STRIDED_BATCH_OFFSET), the scale
+//   tensors of consecutive batch elements one after the other;
+// and refuses what cuBLASLt refuses:
+//   a workspace not 256-byte aligned (CUBLAS_STATUS_INVALID_VALUE);
+//   A, B, C or D not 16-byte aligned, or a heuristic asked for less (CUBLAS_STATUS_NOT_SUPPORTED);
+//   E5M2 x E5M2, mixed scale modes, VEC32 below compute capability 10.0 or cuBLASLt 12.8, FP8 below
+//   8.9, K not a multiple of 32 (VEC32) or 16 (FP8), a leading dimension not a multiple of 16
+//   bytes, and any layout but TN (A transposed, B not) on architectures that only have TN kernels
+//   (compute capability 8.9, 9.x and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED);
+//   inconsistent shapes or batch counts (CUBLAS_STATUS_INVALID_VALUE).
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cublaslt_api.h"
+#include "cublaslt_gemm.h"
+
+struct cublasLtContext {
+  int device;
+};
+
+namespace {
+
+// --- the simulated machine and what the tests read back ----------------------------------------
+
+struct MatmulRecord {  // one cublasLtMatmul that ran
+  int64_t device;      // device of the handle
+  uint64_t workspace, workspace_bytes;
+  int64_t batch_count;
+  int64_t transa, transb;
+  int64_t fast_accum;                 // -1: never set
+  int64_t alpha_vector_batch_stride;  // -1: never set
+};
+
+struct Machine {
+  std::map<int, int> capability;  // device -> major * 10 + minor
+  int current_device = 0;
+  int cublaslt_version = 130100;
+  std::vector<int> handle_devices;  // current device at each cublasLtCreate
+  int heuristics = 0;               // cublasLtMatmulAlgoGetHeuristic calls
+  std::vector<MatmulRecord> matmuls;
+  std::string refusal;  // why the last refused call was refused
+};
+
+Machine& machine() {
+  static Machine m;
+  return m;
+}
+
+cublasStatus_t Refuse(cublasStatus_t status, const std::string& why) {
+  machine().refusal = why;
+  return status;
+}
+
+// --- descriptors: attributes kept as raw bytes, read back typed with a default -----------------
+
+struct Attributes {
+  std::map<int, std::vector<uint8_t>> values;
+  void Set(int attr, const void* buf, size_t size) {
+    const auto* p = static_cast<const uint8_t*>(buf);
+    values[attr] = std::vector<uint8_t>(p, p + size);
+  }
+  template <typename T>
+  T Get(int attr, T fallback) const {
+    auto it = values.find(attr);
+    if (it == values.end() || it->second.size() != sizeof(T)) return fallback;
+    T v;
+    std::memcpy(&v, it->second.data(), sizeof v);
+    return v;
+  }
+  bool Has(int attr) const { return values.count(attr) != 0; }
+};
+
+struct Desc {
+  cublasComputeType_t compute;
+  cudaDataType_t scale;
+  Attributes attrs;
+};
+
+struct Layout {
+  cudaDataType_t type;
+  uint64_t rows, cols;
+  int64_t ld;
+  Attributes attrs;
+  int64_t batch() const { return attrs.Get<int32_t>(CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, 1); }
+  int64_t stride() const {
+    return attrs.Get<int64_t>(CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, 0);
+  }
+};
+
+struct Preference {
+  Attributes attrs;
+};
+
+Desc* AsDesc(cublasLtMatmulDesc_t d) { return reinterpret_cast<Desc*>(d); }
+Layout* AsLayout(cublasLtMatrixLayout_t l) { return reinterpret_cast<Layout*>(l); }
+Preference* AsPref(cublasLtMatmulPreference_t p) { return reinterpret_cast<Preference*>(p); }
+
+constexpr uint64_t kAlgoMagic = 0x6a61786d78ull;  // marks algorithms this double handed out
+
+// --- element types -----------------------------------------------------------------------------
+
+bool IsFp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+bool IsOutput(cudaDataType_t t) { return t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F; }
+int64_t Bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : IsFp8(t) ? 1 : 2; }
+
+double DecodeFp8(uint8_t code, cudaDataType_t t) {
+  const int sign = code >> 7;
+  const int mbits = t == CUDA_R_8F_E4M3 ? 3 : 2, ebits = 7 - mbits;
+  const int bias = (1 << (ebits - 1)) - 1;
+  const int e = (code >> mbits) & ((1 << ebits) - 1), m = code & ((1 << mbits) - 1);
+  double v;
+  if (t == CUDA_R_8F_E4M3 && e == 15 && m == 7) {
+    v = std::numeric_limits<double>::quiet_NaN();
+  } else if (t == CUDA_R_8F_E5M2 && e == 31) {
+    v = m == 0 ? std::numeric_limits<double>::infinity() : std::numeric_limits<double>::quiet_NaN();
+  } else if (e == 0) {
+    v = std::ldexp(m, 1 - bias - mbits);
+  } else {
+    v = std::ldexp((1 << mbits) + m, e - bias - mbits);
+  }
+  return sign ? -v : v;
+}
+
+// IEEE half bits of v, rounded to nearest even: the value is rounded on the half grid with
+// std::nearbyint (the default rounding mode is to nearest even), then encoded.
+uint16_t HalfBits(float v) {
+  const uint16_t sign = std::signbit(v) ? 0x8000 : 0;
+  const double a = std::fabs(static_cast<double>(v));
+  if (std::isnan(a)) return sign | 0x7E00;
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, 0.5 <= f < 1: a is in the binade of 2^(e - 1)
+  const double quantum = std::ldexp(1.0, std::max(e - 1, -14) - 10);
+  const double r = std::nearbyint(a / quantum) * quantum;
+  if (r >= 65520.0 || std::isinf(a)) return sign | 0x7C00;
+  if (r < std::ldexp(1.0, -14)) return sign | static_cast<uint16_t>(r / std::ldexp(1.0, -24));
+  std::frexp(r, &e);
+  const int exponent = e - 1;  // r = 2^exponent * (1 + m / 1024)
+  const auto mantissa = static_cast<uint16_t>(r / std::ldexp(1.0, exponent - 10) - 1024);
+  return sign | static_cast<uint16_t>((exponent + 15) << 10) | mantissa;
+}
+
+void Store(float v, cudaDataType_t t, void* dst) {
+  if (t == CUDA_R_32F) {
+    std::memcpy(dst, &v, 4);
+  } else if (t == CUDA_R_16F) {
+    const uint16_t h = HalfBits(v);
+    std::memcpy(dst, &h, 2);
+  } else {  // bfloat16: round to nearest even on the top 16 bits
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint16_t b = std::isnan(v) ? static_cast<uint16_t>((u >> 16) | 0x40)
+                                     : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+    std::memcpy(dst, &b, 2);
+  }
+}
+
+// Offset of scale (row, block) in the 128x4 tiled layout: 128-row by 4-block tiles of 512 bytes,
+// tile-row-major; within a tile, row r sits at (r % 32) * 16 + (r / 32) * 4, block c at c % 4.
+int64_t TiledOffset(int64_t row, int64_t block, int64_t blocks) {
+  const int64_t tiles_per_row = (blocks + 3) / 4;
+  return (row / 128 * tiles_per_row + block / 4) * 512 + (row % 32) * 16 + (row % 128 / 32) * 4 +
+         block % 4;
+}
+
+int64_t TiledBytes(int64_t rows, int64_t blocks) {
+  return (rows + 127) / 128 * 128 * ((blocks + 3) / 4 * 4);
+}
+
+// --- what a problem needs ------------------------------------------------------------------------
+
+struct Problem {  // op(A) [m, k], op(B) [k, n], D [m, n]
+  int64_t m, n, k, batch;
+  bool vec32;
+};
+
+bool OnlyTn(int cc) { return cc == 89 || (cc >= 90 && cc < 100) || (cc >= 120 && cc < 130); }
+
+// The shape of the problem, or a refusal in `status`.
+cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layout& b,
+                       const Layout& d, Problem* p) {
+  const Machine& mc = machine();
+  const auto cc_it = mc.capability.find(device);
+  if (cc_it == mc.capability.end()) return Refuse(CUBLAS_STATUS_INVALID_VALUE, "unknown device");
+  const int cc = cc_it->second;
+  if (desc.compute != CUBLAS_COMPUTE_32F || desc.scale != CUDA_R_32F)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP8 needs CUBLAS_COMPUTE_32F, scale type 32F");
+  if (!IsFp8(a.type) || !IsFp8(b.type) || !IsOutput(d.type))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "unsupported types");
+  if (a.type == CUDA_R_8F_E5M2 && b.type == CUDA_R_8F_E5M2)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "E5M2 x E5M2");
+  const auto ta = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
+  const auto tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  if (OnlyTn(cc) && !(ta == CUBLAS_OP_T && tb == CUBLAS_OP_N))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "only TN on this architecture");
+  const int scale_default = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  const int32_t sa = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_default);
+  const int32_t sb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_default);
+  if (sa != sb || (sa != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F &&
+                   sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "scale modes");
+  p->vec32 = sa == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+  if (p->vec32 && (cc < 100 || mc.cublaslt_version < 120800))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "VEC32_UE8M0 needs sm_100+ and cuBLASLt 12.8");
+  if (cc < 89) return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP8 needs sm_89+");
+  // op(A) = A or A^T, [m, k]; op(B) [k, n]
+  p->m = static_cast<int64_t>(ta == CUBLAS_OP_T ? a.cols : a.rows);
+  p->k = static_cast<int64_t>(ta == CUBLAS_OP_T ? a.rows : a.cols);
+  const int64_t kb = static_cast<int64_t>(tb == CUBLAS_OP_T ? b.cols : b.rows);
+  p->n = static_cast<int64_t>(tb == CUBLAS_OP_T ? b.rows : b.cols);
+  if (kb != p->k || static_cast<int64_t>(d.rows) != p->m || static_cast<int64_t>(d.cols) != p->n)
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "inconsistent shapes");
+  if (a.ld < static_cast<int64_t>(a.rows) || b.ld < static_cast<int64_t>(b.rows) ||
+      d.ld < static_cast<int64_t>(d.rows))
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "leading dimension below the rows");
+  if (a.batch() != d.batch() || b.batch() != d.batch())
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "batch counts differ");
+  p->batch = d.batch();
+  if (p->k % (p->vec32 ? 32 : 16) != 0)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "K is not a multiple of the block");
+  if (a.ld % 16 != 0 || b.ld % 16 != 0 || d.ld * Bytes(d.type) % 16 != 0)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "leading dimensions not multiples of 16 bytes");
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// --- the CUDA runtime --------------------------------------------------------------------------
+
+cudaError_t RuntimeGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+
+const char* GetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : "invalid device ordinal (test double)";
+}
+
+cudaError_t GetDevice(int* device) {
+  *device = machine().current_device;
+  return cudaSuccess;
+}
+
+cudaError_t SetDevice(int device) {
+  if (machine().capability.count(device) == 0) return cudaErrorInvalidDevice;
+  machine().current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  const auto it = machine().capability.find(device);
+  if (it == machine().capability.end()) return cudaErrorInvalidDevice;
+  if (attr == cudaDevAttrComputeCapabilityMajor)
+    *value = it->second / 10;
+  else if (attr == cudaDevAttrComputeCapabilityMinor)
+    *value = it->second % 10;
+  else
+    return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+cudaError_t MemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+// --- cuBLASLt ----------------------------------------------------------------------------------
+
+size_t GetVersion() { return static_cast<size_t>(machine().cublaslt_version); }
+
+const char* GetStatusString(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default:
+      return "CUBLAS_STATUS_INTERNAL_ERROR";
+  }
+}
+
+cublasStatus_t Create(cublasLtHandle_t* handle) {
+  machine().handle_devices.push_back(machine().current_device);
+  *handle = new cublasLtContext{machine().current_device};
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t Destroy(cublasLtHandle_t handle) {
+  delete handle;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t DescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t compute,
+                          cudaDataType_t scale) {
+  *desc = reinterpret_cast<cublasLtMatmulDesc_t>(new Desc{compute, scale, {}});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t DescDestroy(cublasLtMatmulDesc_t desc) {
+  delete AsDesc(desc);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t DescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
+                                const void* buf, size_t size) {
+  AsDesc(desc)->attrs.Set(attr, buf, size);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t LayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType type, uint64_t rows,
+                            uint64_t cols, int64_t ld) {
+  *layout = reinterpret_cast<cublasLtMatrixLayout_t>(new Layout{type, rows, cols, ld, {}});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t LayoutDestroy(cublasLtMatrixLayout_t layout) {
+  delete AsLayout(layout);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t LayoutSetAttribute(cublasLtMatrixLayout_t layout,
+                                  cublasLtMatrixLayoutAttribute_t attr, const void* buf,
+                                  size_t size) {
+  AsLayout(layout)->attrs.Set(attr, buf, size);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t PrefCreate(cublasLtMatmulPreference_t* pref) {
+  *pref = reinterpret_cast<cublasLtMatmulPreference_t>(new Preference{});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t PrefDestroy(cublasLtMatmulPreference_t pref) {
+  delete AsPref(pref);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t PrefSetAttribute(cublasLtMatmulPreference_t pref,
+                                cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
+                                size_t size) {
+  AsPref(pref)->attrs.Set(attr, buf, size);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t AlgoGetHeuristic(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc,
+                                cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
+                                cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
+                                cublasLtMatmulPreference_t pref, int requested,
+                                cublasLtMatmulHeuristicResult_t results[], int* found) {
+  *found = 0;
+  ++machine().heuristics;
+  if (requested < 1 || c != d) return Refuse(CUBLAS_STATUS_INVALID_VALUE, "heuristic arguments");
+  Problem p;
+  const cublasStatus_t s =
+      Support(handle->device, *AsDesc(desc), *AsLayout(a), *AsLayout(b), *AsLayout(d), &p);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  const Attributes& prefs = AsPref(pref)->attrs;
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    if (prefs.Get<uint32_t>(attr, 256) < 16)
+      return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "operands aligned to less than 16 bytes");
+  }
+  results[0] = cublasLtMatmulHeuristicResult_t{};
+  results[0].algo.data[0] = kAlgoMagic;
+  results[0].state = CUBLAS_STATUS_SUCCESS;
+  *found = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+bool Aligned(const void* p, uintptr_t to) { return reinterpret_cast<uintptr_t>(p) % to == 0; }
+
+cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle, const void* alpha,
+                      const void* a_data, cublasLtMatrixLayout_t a_layout, const void* b_data,
+                      cublasLtMatrixLayout_t b_layout, const void* beta, const void* c_data,
+                      cublasLtMatrixLayout_t c_layout, void* d_data,
+                      cublasLtMatrixLayout_t d_layout, const cublasLtMatmulAlgo_t* algo,
+                      void* workspace, size_t workspace_bytes, cudaStream_t) {
+  if (algo == nullptr || algo->data[0] != kAlgoMagic)
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "not an algorithm from the heuristic");
+  if (workspace_bytes > 0 && !Aligned(workspace, 256))
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "workspace not 256-byte aligned");
+  if (!Aligned(a_data, 16) || !Aligned(b_data, 16) || !Aligned(c_data, 16) || !Aligned(d_data, 16))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "operand not 16-byte aligned");
+  if (c_layout != d_layout || c_data != d_data || *static_cast<const float*>(beta) != 0.0f)
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "this double implements C = D, beta = 0 only");
+  const Desc& desc = *AsDesc(desc_handle);
+  const Layout &a = *AsLayout(a_layout), &b = *AsLayout(b_layout), &d = *AsLayout(d_layout);
+  Problem p;
+  const cublasStatus_t s = Support(handle->device, desc, a, b, d, &p);
+  if (s != CUBLAS_STATUS_SUCCESS) return s;
+  const void* a_scale = desc.attrs.Get<const void*>(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, nullptr);
+  const void* b_scale = desc.attrs.Get<const void*>(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, nullptr);
+  if (a_scale == nullptr || b_scale == nullptr)
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "FP8 needs A and B scale pointers");
+  const bool ta = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N) == CUBLAS_OP_T;
+  const bool tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N) == CUBLAS_OP_T;
+  const float alpha_value = *static_cast<const float*>(alpha);
+  const int64_t blocks = p.k / 32;
+  const auto* a8 = static_cast<const uint8_t*>(a_data);
+  const auto* b8 = static_cast<const uint8_t*>(b_data);
+  auto* d8 = static_cast<uint8_t*>(d_data);
+  for (int64_t g = 0; g < p.batch; ++g) {
+    const uint8_t* ag = a8 + g * a.stride();
+    const uint8_t* bg = b8 + g * b.stride();
+    for (int64_t i = 0; i < p.m; ++i) {
+      for (int64_t j = 0; j < p.n; ++j) {
+        float acc = 0.0f;
+        for (int64_t k0 = 0; k0 < p.k; k0 += 32) {  // float32 accumulation, exact 32-products
+          double sum = 0.0;
+          for (int64_t k = k0; k < k0 + 32 && k < p.k; ++k) {
+            const uint8_t x = ag[ta ? k + i * a.ld : i + k * a.ld];
+            const uint8_t y = bg[tb ? j + k * b.ld : k + j * b.ld];
+            sum += DecodeFp8(x, a.type) * DecodeFp8(y, b.type);
+          }
+          if (p.vec32) {
+            const auto* sa = static_cast<const uint8_t*>(a_scale) + g * TiledBytes(p.m, blocks);
+            const auto* sb = static_cast<const uint8_t*>(b_scale) + g * TiledBytes(p.n, blocks);
+            const int ea = sa[TiledOffset(i, k0 / 32, blocks)];
+            const int eb = sb[TiledOffset(j, k0 / 32, blocks)];
+            sum = (ea == 0xFF || eb == 0xFF) ? std::numeric_limits<double>::quiet_NaN()
+                                             : std::ldexp(sum, ea + eb - 254);
+          }
+          acc += static_cast<float>(sum);
+        }
+        float v = alpha_value * acc;
+        if (!p.vec32)
+          v *= *static_cast<const float*>(a_scale) * *static_cast<const float*>(b_scale);
+        Store(v, d.type, d8 + (g * d.stride() + i + j * d.ld) * Bytes(d.type));
+      }
+    }
+  }
+  machine().matmuls.push_back(
+      MatmulRecord{handle->device, reinterpret_cast<uintptr_t>(workspace), workspace_bytes, p.batch,
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N),
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N),
+                   desc.attrs.Get<int8_t>(CUBLASLT_MATMUL_DESC_FAST_ACCUM, -1),
+                   desc.attrs.Get<int64_t>(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, -1)});
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+jaxmx::CublasLtApi DoubleApi() {
+  jaxmx::CublasLtApi api;
+  api.cudaRuntimeGetVersion = RuntimeGetVersion;
+  api.cudaGetErrorString = GetErrorString;
+  api.cudaGetDevice = GetDevice;
+  api.cudaSetDevice = SetDevice;
+  api.cudaDeviceGetAttribute = DeviceGetAttribute;
+  api.cudaMemsetAsync = MemsetAsync;
+  api.cublasLtGetVersion = GetVersion;
+  api.cublasLtGetStatusString = GetStatusString;
+  api.cublasLtCreate = Create;
+  api.cublasLtDestroy = Destroy;
+  api.cublasLtMatmulDescCreate = DescCreate;
+  api.cublasLtMatmulDescDestroy = DescDestroy;
+  api.cublasLtMatmulDescSetAttribute = DescSetAttribute;
+  api.cublasLtMatrixLayoutCreate = LayoutCreate;
+  api.cublasLtMatrixLayoutDestroy = LayoutDestroy;
+  api.cublasLtMatrixLayoutSetAttribute = LayoutSetAttribute;
+  api.cublasLtMatmulPreferenceCreate = PrefCreate;
+  api.cublasLtMatmulPreferenceDestroy = PrefDestroy;
+  api.cublasLtMatmulPreferenceSetAttribute = PrefSetAttribute;
+  api.cublasLtMatmulAlgoGetHeuristic = AlgoGetHeuristic;
+  api.cublasLtMatmul = Matmul;
+  return api;
+}
+
+const jaxmx::CublasLtApi& Api() {
+  static const jaxmx::CublasLtApi api = DoubleApi();
+  return api;
+}
+
+cudaDataType_t TypeNamed(const char* name) {
+  const std::string n = name;
+  if (n == "float8_e4m3fn") return CUDA_R_8F_E4M3;
+  if (n == "float8_e5m2") return CUDA_R_8F_E5M2;
+  if (n == "bfloat16") return CUDA_R_16BF;
+  if (n == "float16") return CUDA_R_16F;
+  if (n == "float32") return CUDA_R_32F;
+  std::abort();  // the tests pass only these names
+}
+
+}  // namespace
+
+// --- the C interface of tests/test_cublaslt_core.py ----------------------------------------------
+
+extern "C" {
+
+// A fresh machine: `devices` GPUs with the given compute capabilities (major * 10 + minor), the
+// given cuBLASLt version (e.g. 130100), device 0 current, nothing recorded.
+void double_reset(int devices, const int* capabilities, int cublaslt_version) {
+  machine() = Machine{};
+  for (int i = 0; i < devices; ++i) machine().capability[i] = capabilities[i];
+  machine().cublaslt_version = cublaslt_version;
+}
+
+int double_current_device() { return machine().current_device; }
+void double_set_current_device(int device) { machine().current_device = device; }
+const char* double_refusal() { return machine().refusal.c_str(); }
+
+// Devices current at each cublasLtCreate, into `out` (at most `max`); returns how many.
+int double_handle_devices(int* out, int max) {
+  const auto& v = machine().handle_devices;
+  for (int i = 0; i < max && i < static_cast<int>(v.size()); ++i) out[i] = v[i];
+  return static_cast<int>(v.size());
+}
+
+int double_heuristic_count() { return machine().heuristics; }
+int double_matmul_count() { return static_cast<int>(machine().matmuls.size()); }
+void double_matmul(int i, MatmulRecord* out) { *out = machine().matmuls.at(i); }
+
+// A core context on the double's functions (one per test).
+void* core_new() { return new jaxmx::LtContext(Api()); }
+void core_free(void* context) { delete static_cast<jaxmx::LtContext*>(context); }
+
+// LtContext::Run (`prepare_only`: LtContext::Prepare) of the GEMM described by the arguments;
+// returns the LtCode and copies the message into `message`.
+int core_gemm(void* context, int prepare_only, int device, int block_scaled, int64_t batch,
+              int64_t m, int64_t n, int64_t k, const char* lhs_type, const char* rhs_type,
+              const char* out_type, const void* lhs, const void* rhs, const void* lhs_scale,
+              const void* rhs_scale, void* out, int fast_accum, void* workspace,
+              uint64_t workspace_bytes, char* message, int message_size) {
+  jaxmx::LtGemm g;
+  g.scaling = block_scaled ? jaxmx::LtScaling::kBlockVec32E8M0 : jaxmx::LtScaling::kTensorF32;
+  g.batch = batch;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.lhs_type = TypeNamed(lhs_type);
+  g.rhs_type = TypeNamed(rhs_type);
+  g.out_type = TypeNamed(out_type);
+  g.lhs = lhs;
+  g.rhs = rhs;
+  g.lhs_scale = lhs_scale;
+  g.rhs_scale = rhs_scale;
+  g.out = out;
+  g.fast_accum = fast_accum != 0;
+  auto* c = static_cast<jaxmx::LtContext*>(context);
+  const jaxmx::LtStatus s = prepare_only ? c->Prepare(device, g, workspace, workspace_bytes)
+                                         : c->Run(device, g, workspace, workspace_bytes, nullptr);
+  std::snprintf(message, message_size, "%s", s.message.c_str());
+  return static_cast<int>(s.code);
+}
+
+// A plain cuBLASLt user of the double, without the core: D [m, n] = op(A) op(B), A [k, m] and
+// B [k, n] as stored (both K-major), FP8 per-tensor scales 1 or VEC32 scales 2^0, on device 0,
+// with the workspace at `workspace_offset` bytes past a 256-byte boundary. Returns the status
+// name of the heuristic (if it refused) or of cublasLtMatmul.
+const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_type,
+                                const char* b_type, int transa, int transb, int block_scaled,
+                                uint64_t workspace_offset) {
+  const cudaDataType_t ta = TypeNamed(a_type), tb = TypeNamed(b_type);
+  auto buffer = [](size_t bytes) {
+    return std::unique_ptr<uint8_t, decltype(&std::free)>(
+        static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 511) / 256 * 256)), &std::free);
+  };
+  auto a = buffer(m * k), b = buffer(n * k), d = buffer(m * n * 4), ws = buffer(1024);
+  const int64_t blocks = k / 32;
+  auto sa = buffer(TiledBytes(m, blocks) + 4), sb = buffer(TiledBytes(n, blocks) + 4);
+  std::memset(a.get(), 0, m * k);
+  std::memset(b.get(), 0, n * k);
+  const float one = 1.0f, zero = 0.0f;
+  std::memset(sa.get(), 127, TiledBytes(m, blocks));
+  std::memset(sb.get(), 127, TiledBytes(n, blocks));
+  if (!block_scaled) {
+    std::memcpy(sa.get(), &one, 4);
+    std::memcpy(sb.get(), &one, 4);
+  }
+  cublasLtHandle_t handle;
+  Create(&handle);
+  cublasLtMatmulDesc_t desc;
+  DescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const int32_t op_a = transa ? CUBLAS_OP_T : CUBLAS_OP_N,
+                op_b = transb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a);
+  DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b);
+  if (block_scaled) {
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode);
+    DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode);
+  }
+  const void* pa = sa.get();
+  const void* pb = sb.get();
+  DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &pa, sizeof pa);
+  DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &pb, sizeof pb);
+  cublasLtMatrixLayout_t la, lb, ld;  // stored shapes for the requested ops
+  LayoutCreate(&la, ta, transa ? k : m, transa ? m : k, transa ? k : m);
+  LayoutCreate(&lb, tb, transb ? n : k, transb ? k : n, transb ? n : k);
+  LayoutCreate(&ld, CUDA_R_32F, m, n, m);
+  cublasLtMatmulPreference_t pref;
+  PrefCreate(&pref);
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  cublasStatus_t s = AlgoGetHeuristic(handle, desc, la, lb, ld, ld, pref, 1, &result, &found);
+  if (s == CUBLAS_STATUS_SUCCESS)
+    s = Matmul(handle, desc, &one, a.get(), la, b.get(), lb, &zero, d.get(), ld, d.get(), ld,
+               &result.algo, ws.get() + workspace_offset, 512, nullptr);
+  PrefDestroy(pref);
+  LayoutDestroy(la);
+  LayoutDestroy(lb);
+  LayoutDestroy(ld);
+  DescDestroy(desc);
+  Destroy(handle);
+  return GetStatusString(s);
+}
+
+}  // extern "C"

@@ -1,0 +1,448 @@
+"""The CUDA handler's core (ffi/cublaslt_gemm.cc) against a cuBLASLt test double, without a GPU.
+
+The core is compiled here with tests/cublaslt_double.cc (host memory standing in for device
+memory; see its header for the cuBLASLt behaviour it implements and refuses) into a shared
+library loaded with ctypes. Results are compared with a numpy + ml_dtypes reference written here:
+codes decoded by ml_dtypes, scales as 2.0 ** (byte - 127), float64 GEMMs; the swizzled scale
+layout comes from ``swizzle`` in tests/reference.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
+
+from jaxmx import _ffi, ffi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODES = ["ok", "invalid_argument", "failed_precondition", "unimplemented", "internal"]  # LtCode
+FP8 = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+OUT_EPS = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+OUT_TINY = {"float32": 0.0, "bfloat16": 2.0**-133, "float16": 2.0**-24}
+# Scale bytes per output type, so that float16 results stay finite (|value| < 65504).
+SCALE_BYTES = {"float32": (100, 150), "bfloat16": (90, 160), "float16": (100, 112)}
+
+
+class MatmulRecord(ctypes.Structure):
+    _fields_ = [
+        ("device", ctypes.c_int64),
+        ("workspace", ctypes.c_uint64),
+        ("workspace_bytes", ctypes.c_uint64),
+        ("batch_count", ctypes.c_int64),
+        ("transa", ctypes.c_int64),
+        ("transb", ctypes.c_int64),
+        ("fast_accum", ctypes.c_int64),
+        ("alpha_vector_batch_stride", ctypes.c_int64),
+    ]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    """The core + the double as a shared library, built with the extension's CUDA headers."""
+    if not _ffi.has_cuda:
+        pytest.skip("extension built without the cuBLASLt handler (CI builds it)")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    assert compiler, "no C++ compiler (g++ / c++ / $CXX) to build the cuBLASLt test double"
+    includes = _ffi.build_info()["cuda_include_dirs"].split(os.pathsep)
+    so = tmp_path_factory.mktemp("cublaslt_double") / "libcublaslt_double.so"
+    cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall"]
+    cmd += ["-I", os.path.join(ROOT, "ffi"), *(f"-isystem{d}" for d in includes)]
+    cmd += [os.path.join(ROOT, "ffi", "cublaslt_gemm.cc")]
+    cmd += [os.path.join(ROOT, "tests", "cublaslt_double.cc"), "-o", str(so)]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, f"{' '.join(cmd)}\n{built.stderr}"
+    lib = ctypes.CDLL(str(so))
+    p, i, i64, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
+    lib.double_reset.argtypes = [i, ctypes.POINTER(i), i]
+    lib.double_refusal.restype = s
+    lib.double_handle_devices.argtypes = [ctypes.POINTER(i), i]
+    lib.double_matmul.argtypes = [i, ctypes.POINTER(MatmulRecord)]
+    lib.core_new.restype = p
+    lib.core_free.argtypes = [p]
+    lib.core_gemm.argtypes = [p, i, i, i, i64, i64, i64, i64, s, s, s, p, p, p, p, p, i, p]
+    lib.core_gemm.argtypes += [ctypes.c_uint64, s, i]
+    lib.double_plain_matmul.argtypes = [i64, i64, i64, s, s, i, i, i, ctypes.c_uint64]
+    lib.double_plain_matmul.restype = s
+    return lib
+
+
+def plain_matmul(lib, m, n, k, types, trans=(1, 0), mx=True, workspace_offset=0) -> str:
+    """Status name of a plain cuBLASLt user of the double (no core): op(A) [m, k] op(B) [k, n]
+    with `trans` = (transa, transb); see double_plain_matmul."""
+    status = lib.double_plain_matmul(
+        m, n, k, types[0].encode(), types[1].encode(), *trans, int(mx), workspace_offset
+    )
+    return status.decode()
+
+
+def aligned(nbytes: int, offset: int = 0) -> np.ndarray:
+    """uint8 host buffer whose address is `offset` bytes past a 256-byte boundary."""
+    raw = np.zeros(nbytes + 512, np.uint8)
+    start = (offset - raw.ctypes.data) % 256
+    view = raw[start : start + nbytes]
+    assert view.ctypes.data % 256 == offset
+    return view
+
+
+def placed(a: np.ndarray, offset: int = 0) -> np.ndarray:
+    """A copy of `a` at `offset` bytes past a 256-byte boundary."""
+    buf = aligned(a.nbytes, offset)
+    buf[:] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    return buf.view(a.dtype).reshape(a.shape)
+
+
+class Machine:
+    """The double's simulated GPUs with one core context on them."""
+
+    def __init__(self, lib, capabilities=(100,), cublaslt_version=130100):
+        self.lib = lib
+        ccs = (ctypes.c_int * len(capabilities))(*capabilities)
+        lib.double_reset(len(capabilities), ccs, cublaslt_version)
+        self.context = lib.core_new()
+
+    def close(self):
+        self.lib.core_free(self.context)
+
+    def gemm(
+        self,
+        lhs,
+        rhs,
+        lhs_scale,
+        rhs_scale,
+        out,
+        *,
+        mx,
+        device=0,
+        fast_accum=False,
+        workspace=None,
+        prepare_only=False,
+    ):
+        """(LtCode name, message) of the core on these host buffers ([B, M, K], [B, N, K])."""
+        batch, m, k = lhs.shape
+        n = rhs.shape[1]
+        workspace = aligned(ffi.WORKSPACE_BYTES + 256) if workspace is None else workspace
+        message = ctypes.create_string_buffer(1024)
+        code = self.lib.core_gemm(
+            self.context, int(prepare_only), device, int(mx), batch, m, n, k,
+            lhs.dtype.name.encode(), rhs.dtype.name.encode(), out.dtype.name.encode(),
+            lhs.ctypes.data, rhs.ctypes.data, lhs_scale.ctypes.data, rhs_scale.ctypes.data,
+            out.ctypes.data, int(fast_accum), workspace.ctypes.data, workspace.nbytes,
+            message, len(message),
+        )  # fmt: skip
+        return CODES[code], message.value.decode()
+
+    def matmuls(self) -> list[MatmulRecord]:
+        records = []
+        for i in range(self.lib.double_matmul_count()):
+            r = MatmulRecord()
+            self.lib.double_matmul(i, ctypes.byref(r))
+            records.append(r)
+        return records
+
+    def handle_devices(self) -> list[int]:
+        out = (ctypes.c_int * 16)()
+        return list(out[: self.lib.double_handle_devices(out, 16)])
+
+    def refusal(self) -> str:
+        return self.lib.double_refusal().decode()
+
+
+@pytest.fixture
+def machine(lib):
+    made = []
+
+    def make(capabilities=(100,), cublaslt_version=130100):
+        made.append(Machine(lib, capabilities, cublaslt_version))
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.close()
+
+
+# --- operands and the reference -------------------------------------------------------------------
+
+
+def random_codes(rng, shape, dtype):
+    """Random finite codes of an fp8 type (every finite code can occur)."""
+    codes = rng.integers(0, 256, shape, dtype=np.uint8)
+    finite = np.isfinite(codes.view(FP8[dtype]).astype(np.float32))
+    return np.where(finite, codes, 0).astype(np.uint8).view(FP8[dtype])
+
+
+def swizzled(scales: np.ndarray) -> np.ndarray:
+    """[B, rows, K/32] scale bytes -> the B swizzled buffers one after the other."""
+    return np.concatenate([ref.swizzle(s) for s in scales])
+
+
+def assert_close(out, exact, abs_sum, k, out_dtype):
+    """|out - exact| within float32 summation over the K-blocks plus the output rounding."""
+    out = np.asarray(out).astype(np.float64)
+    blocks = -(-k // 32)
+    tol = (blocks + 2) * 2.0**-24 * abs_sum + OUT_EPS[out_dtype] * np.abs(exact)
+    tol += OUT_TINY[out_dtype] + blocks * 2.0**-149
+    bad = ~(np.abs(out - exact) <= tol)
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} entries off: {out[bad][:4]} vs {exact[bad][:4]}"
+    )
+
+
+def mx_case(seed, batch, m, n, k, types, byte_range=(112, 142)):
+    """Operands, swizzled scales and the float64 reference of an MX GEMM."""
+    rng = np.random.default_rng(seed)
+    a = random_codes(rng, (batch, m, k), types[0])
+    b = random_codes(rng, (batch, n, k), types[1])
+    # per-row and per-block exponent variation on both sides
+    sa = rng.integers(*byte_range, (batch, m, k // 32), dtype=np.uint8)
+    sb = rng.integers(*byte_range, (batch, n, k // 32), dtype=np.uint8)
+    x = a.astype(np.float64) * np.repeat(2.0 ** (sa.astype(np.float64) - 127), 32, axis=-1)
+    y = b.astype(np.float64) * np.repeat(2.0 ** (sb.astype(np.float64) - 127), 32, axis=-1)
+    exact = np.einsum("bmk,bnk->bmn", x, y)
+    abs_sum = np.einsum("bmk,bnk->bmn", abs(x), abs(y))
+    return (placed(a), placed(b), placed(swizzled(sa)), placed(swizzled(sb))), exact, abs_sum
+
+
+# --- numerics -------------------------------------------------------------------------------------
+
+MX_CASES = [  # (batch, M, N, K, lhs, rhs, out)
+    (1, 1, 16, 32, "float8_e4m3fn", "float8_e4m3fn", "float32"),
+    (1, 130, 48, 96, "float8_e4m3fn", "float8_e5m2", "bfloat16"),
+    (1, 7, 144, 160, "float8_e5m2", "float8_e4m3fn", "float16"),
+    (3, 33, 16, 64, "float8_e4m3fn", "float8_e4m3fn", "float32"),
+    (2, 129, 32, 288, "float8_e5m2", "float8_e4m3fn", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("batch,m,n,k,lhs,rhs,out", MX_CASES)
+def test_mx_gemm_matches_numpy_in_one_strided_batched_call(machine, batch, m, n, k, lhs, rhs, out):
+    gpu = machine()
+    case = mx_case(m * n + k, batch, m, n, k, (lhs, rhs), SCALE_BYTES[out])
+    (a, b, sa, sb), exact, abs_sum = case
+    d = placed(np.full((batch, m, n), np.nan, OUT[out]))
+    assert gpu.gemm(a, b, sa, sb, d, mx=True) == ("ok", "")
+    assert_close(d, exact, abs_sum, k, out)
+    (call,) = gpu.matmuls()  # one cublasLtMatmul whatever the batch
+    assert call.batch_count == batch
+    assert (call.transa, call.transb) == (1, 0)  # CUBLAS_OP_T, CUBLAS_OP_N: TN on every arch
+
+
+def test_mx_nan_scale_gives_nan_in_its_row_only(machine):
+    gpu = machine()
+    (a, b, _, sb), _, _ = mx_case(1, 1, 4, 16, 64, ("float8_e4m3fn", "float8_e4m3fn"))
+    compact = np.full((1, 4, 2), 127, np.uint8)
+    compact[0, 2, 1] = 0xFF
+    sa = placed(swizzled(compact))
+    d = placed(np.zeros((1, 4, 16), np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=True)[0] == "ok"
+    assert np.isnan(d[0, 2]).all() and np.isfinite(d[0, [0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_per_tensor_gemm_matches_numpy(machine, batch):
+    """One float32 scale per operand and batch element: cuBLASLt's SCALAR_32F scales a whole
+    call, so a batched call is one cublasLtMatmul per batch element, each with its scales."""
+    gpu = machine((90,))
+    rng = np.random.default_rng(batch)
+    m, n, k = 20, 32, 48
+    a = placed(random_codes(rng, (batch, m, k), "float8_e4m3fn"))
+    b = placed(random_codes(rng, (batch, n, k), "float8_e5m2"))
+    sa = placed(np.float32([0.5, 2.0**-3, 3.0][:batch]))
+    sb = placed(np.float32([0.75, 2.0, 2.0**-7][:batch]))
+    d = placed(np.full((batch, m, n), np.nan, ml_dtypes.bfloat16))
+    assert gpu.gemm(a, b, sa, sb, d, mx=False) == ("ok", "")
+    x = a.astype(np.float64) * sa.astype(np.float64)[:, None, None]
+    y = b.astype(np.float64) * sb.astype(np.float64)[:, None, None]
+    exact = np.einsum("bmk,bnk->bmn", x, y)
+    assert_close(d, exact, np.einsum("bmk,bnk->bmn", abs(x), abs(y)), k, "bfloat16")
+    assert [c.batch_count for c in gpu.matmuls()] == [1] * batch
+
+
+def test_empty_contraction_writes_zeros(machine):
+    gpu = machine()
+    a = np.zeros((2, 3, 0), ml_dtypes.float8_e4m3fn)
+    b = np.zeros((2, 16, 0), ml_dtypes.float8_e4m3fn)
+    no_scales = placed(np.zeros(1, np.uint8))
+    d = placed(np.full((2, 3, 16), np.nan, np.float32))
+    assert gpu.gemm(a, b, no_scales, no_scales, d, mx=True) == ("ok", "")
+    assert (d == 0).all() and gpu.matmuls() == []
+
+
+# --- what the double refuses, and that the core never asks it -------------------------------------
+
+
+def test_the_double_refuses_a_misaligned_workspace(lib, machine):
+    machine()
+    e4 = "float8_e4m3fn"
+    assert plain_matmul(lib, 16, 16, 32, (e4, e4)) == "CUBLAS_STATUS_SUCCESS"
+    status = plain_matmul(lib, 16, 16, 32, (e4, e4), workspace_offset=8)
+    assert status == "CUBLAS_STATUS_INVALID_VALUE"
+    assert lib.double_refusal() == b"workspace not 256-byte aligned"
+
+
+@pytest.mark.parametrize("offset", [8, 16, 100, 248])
+def test_the_core_hands_cublaslt_an_aligned_workspace(machine, offset):
+    """XLA's workspace buffer may start anywhere: the double gets its 256-byte aligned part."""
+    gpu = machine()
+    (a, b, sa, sb), exact, abs_sum = mx_case(2, 1, 8, 16, 32, ("float8_e4m3fn", "float8_e5m2"))
+    raw = aligned(ffi.WORKSPACE_BYTES + 256, offset)
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=True, workspace=raw) == ("ok", "")
+    (call,) = gpu.matmuls()
+    assert call.workspace % 256 == 0
+    assert raw.ctypes.data <= call.workspace
+    assert call.workspace + call.workspace_bytes <= raw.ctypes.data + raw.nbytes
+    assert call.workspace_bytes == ffi.WORKSPACE_BYTES
+    assert_close(d, exact, abs_sum, 32, "float32")
+
+
+def test_operands_not_16_byte_aligned_get_no_algorithm(lib, machine):
+    gpu = machine()
+    (a, b, sa, sb), _, _ = mx_case(3, 1, 8, 16, 32, ("float8_e4m3fn", "float8_e4m3fn"))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    code, message = gpu.gemm(placed(a, 8), b, sa, sb, d, mx=True)
+    assert code == "unimplemented"
+    assert "cuBLASLt has no algorithm for MX block-scaled" in message
+    assert "alignment lhs/rhs/out 8/256/256 bytes" in message
+    assert gpu.refusal() == "operands aligned to less than 16 bytes"
+    assert gpu.matmuls() == []
+
+
+def test_e5m2_x_e5m2_is_refused_by_the_double_and_never_asked_for(lib, machine):
+    gpu = machine()
+    e5 = "float8_e5m2"
+    assert plain_matmul(lib, 16, 16, 32, (e5, e5)) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    (a, b, sa, sb), _, _ = mx_case(4, 1, 8, 16, 32, (e5, e5))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    code, message = gpu.gemm(a, b, sa, sb, d, mx=True)
+    assert code == "unimplemented"
+    assert "no float8_e5m2 x float8_e5m2 matmul" in message
+    assert lib.double_heuristic_count() == 1  # the plain call's only
+
+
+@pytest.mark.parametrize("cc,block_scaled", [(89, 0), (90, 0), (120, 1), (121, 1)])
+def test_tn_only_architectures_refuse_other_layouts_and_the_core_uses_tn(
+    lib, machine, cc, block_scaled
+):
+    gpu = machine((cc,))
+    e4 = "float8_e4m3fn"
+    for transa, transb in [(0, 0), (1, 1), (0, 1)]:
+        status = plain_matmul(lib, 32, 32, 64, (e4, e4), (transa, transb), mx=bool(block_scaled))
+        assert status == "CUBLAS_STATUS_NOT_SUPPORTED"
+        assert gpu.refusal() == "only TN on this architecture"
+    status = plain_matmul(lib, 32, 32, 64, (e4, e4), (1, 0), mx=bool(block_scaled))
+    assert status == "CUBLAS_STATUS_SUCCESS"
+    (a, b, sa, sb), _, _ = mx_case(5, 2, 8, 16, 64, (e4, e4))
+    if not block_scaled:
+        sa, sb = placed(np.float32([1.0, 2.0])), placed(np.float32([1.0, 0.5]))
+    d = placed(np.zeros((2, 8, 16), np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=bool(block_scaled)) == ("ok", "")
+    assert all((c.transa, c.transb) == (1, 0) for c in gpu.matmuls())
+
+
+def test_sm100_has_other_layouts(lib, machine):
+    machine((100,))
+    e4 = "float8_e4m3fn"
+    assert plain_matmul(lib, 32, 32, 64, (e4, e4), (0, 0)) == "CUBLAS_STATUS_SUCCESS"
+
+
+def test_k_not_a_multiple_of_the_block(lib, machine):
+    gpu = machine()
+    e4 = "float8_e4m3fn"
+    assert plain_matmul(lib, 16, 16, 48, (e4, e4)) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    assert gpu.refusal() == "K is not a multiple of the block"
+    a = placed(np.zeros((1, 4, 48), np.uint8)).view(FP8[e4])
+    b = placed(np.zeros((1, 16, 48), np.uint8)).view(FP8[e4])
+    d = placed(np.zeros((1, 4, 16), np.float32))
+    s = placed(np.zeros(1024, np.uint8))
+    code, message = gpu.gemm(a, b, s, s, d, mx=True)
+    assert (code, message) == ("invalid_argument", "K must be a multiple of 32 for MX block "
+                               "scaling, got K = 48")  # fmt: skip
+
+
+# --- the review's items: capability first, heuristic cache, fast accumulation, devices ------------
+
+
+def test_an_old_gpu_is_told_about_the_gpu_before_the_cublaslt_version(machine):
+    """Hopper with cuBLASLt 12.7: the capability is what rules MX out."""
+    (a, b, sa, sb), _, _ = mx_case(6, 1, 8, 16, 32, ("float8_e4m3fn", "float8_e4m3fn"))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    code, message = machine((90,), 120700).gemm(a, b, sa, sb, d, mx=True)
+    assert code == "failed_precondition"
+    assert "device 0 has compute capability 9.0; MX block scaling" in message
+    code, message = machine((100,), 120700).gemm(a, b, sa, sb, d, mx=True)
+    assert code == "failed_precondition"
+    assert message == "cuBLASLt 12.7.0 is loaded; MX block scaling needs CUDA/cuBLASLt >= 12.8"
+
+
+@pytest.mark.parametrize("version,expected", [(120800, 1), (120803, 1), (120804, -1), (130100, -1)])
+def test_mx_descriptors_get_a_dummy_alpha_vector_batch_stride_up_to_cublaslt_12_8_3(
+    machine, version, expected
+):
+    gpu = machine((100,), version)
+    (a, b, sa, sb), _, _ = mx_case(7, 1, 8, 16, 32, ("float8_e4m3fn", "float8_e4m3fn"))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=True)[0] == "ok"
+    one = placed(np.float32([1.0]))
+    assert gpu.gemm(a, b, one, one, d, mx=False)[0] == "ok"  # same shape, per-tensor
+    mx_call, per_tensor_call = gpu.matmuls()
+    assert mx_call.alpha_vector_batch_stride == expected
+    assert per_tensor_call.alpha_vector_batch_stride == -1
+
+
+def test_fast_accumulation_is_set_when_asked_for_per_tensor(machine):
+    gpu = machine((90,))
+    rng = np.random.default_rng(8)
+    a = placed(random_codes(rng, (1, 8, 32), "float8_e4m3fn"))
+    b = placed(random_codes(rng, (1, 16, 32), "float8_e4m3fn"))
+    one = placed(np.float32([1.0]))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    assert gpu.gemm(a, b, one, one, d, mx=False, fast_accum=True)[0] == "ok"
+    assert gpu.gemm(a, b, one, one, d, mx=False, fast_accum=False)[0] == "ok"
+    assert [c.fast_accum for c in gpu.matmuls()] == [1, -1]
+
+
+def test_each_device_gets_its_handle_created_with_that_device_current(lib, machine):
+    gpu = machine((100, 90))
+    rng = np.random.default_rng(9)
+    a = placed(random_codes(rng, (1, 8, 32), "float8_e4m3fn"))
+    b = placed(random_codes(rng, (1, 16, 32), "float8_e4m3fn"))
+    one = placed(np.float32([1.0]))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    for device in (1, 0, 1, 0):
+        assert gpu.gemm(a, b, one, one, d, mx=False, device=device) == ("ok", "")
+        assert lib.double_current_device() == 0  # the thread's device is restored
+    assert gpu.handle_devices() == [1, 0]  # one handle per device, on that device
+    assert [c.device for c in gpu.matmuls()] == [1, 0, 1, 0]
+    lib.double_set_current_device(1)
+    code, message = gpu.gemm(a, b, one, one, d, mx=True, device=1)  # device 1 is sm_90
+    assert code == "failed_precondition" and "device 1 has compute capability 9.0" in message
+    assert lib.double_current_device() == 1
+
+
+def test_prepare_does_the_setup_so_that_a_run_only_enqueues(lib, machine):
+    """XLA's initialize stage (outside graph capture) creates the handle and the plan; the
+    execute stage, which may be captured into a CUDA graph, then finds them."""
+    gpu = machine()
+    (a, b, sa, sb), exact, abs_sum = mx_case(10, 2, 8, 16, 64, ("float8_e4m3fn", "float8_e4m3fn"))
+    d = placed(np.zeros((2, 8, 16), np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=True, prepare_only=True) == ("ok", "")
+    assert (gpu.handle_devices(), lib.double_heuristic_count(), gpu.matmuls()) == ([0], 1, [])
+    assert gpu.gemm(a, b, sa, sb, d, mx=True) == ("ok", "")
+    assert (gpu.handle_devices(), lib.double_heuristic_count(), len(gpu.matmuls())) == ([0], 1, 1)
+    assert_close(d, exact, abs_sum, 64, "float32")
+
+
+def test_an_unknown_device_is_an_internal_error(machine):
+    gpu = machine((100,))
+    (a, b, sa, sb), _, _ = mx_case(11, 1, 8, 16, 32, ("float8_e4m3fn", "float8_e4m3fn"))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    code, message = gpu.gemm(a, b, sa, sb, d, mx=True, device=3)
+    assert code == "internal" and message.startswith("cudaDeviceGetAttribute(device 3) failed")

@@ -1,4 +1,7 @@
-"""MX element formats: the static facts a quantizer and a GEMM need about each one.
+"""Block-scaled element formats: the static facts a quantizer and a GEMM need about each one.
+
+The OCP MX formats (32-element blocks, E8M0 power-of-two scales) and the block-FP8 formats of
+DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales).
 
 Example:
     >>> from jaxmx._src.formats import get_format
@@ -17,7 +20,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Format:
-    """An MX element format with E8M0 block scales.
+    """A block-scaled element format.
 
     Attributes:
         name: the public name, e.g. ``"mxfp8_e4m3"``.
@@ -26,7 +29,9 @@ class Format:
         emax: exponent of the largest power of two in the element format.
         mbits: explicit mantissa bits of the element format.
         emin: exponent of the smallest normal element (subnormals share its quantum).
-        block: elements per scale (32 for every OCP MX format).
+        block: elements per scale along the block axis (32 for every OCP MX format, 128 for
+            block FP8).
+        scale_dtype: ``float8_e8m0fnu`` (MX: powers of two) or ``float32`` (block FP8).
     """
 
     name: str
@@ -36,6 +41,17 @@ class Format:
     mbits: int
     emin: int
     block: int = 32
+    scale_dtype: np.dtype = jnp.dtype(jnp.float8_e8m0fnu)
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether scales are E8M0 (an OCP MX format), not float32 (block FP8)."""
+        return self.scale_dtype == jnp.dtype(jnp.float8_e8m0fnu)
+
+    @property
+    def scale_modes(self) -> tuple[str, ...]:
+        """The scale rules this format takes (the first is the default)."""
+        return SCALE_MODES if self.is_mx else BLOCK_SCALE_MODES
 
     @property
     def elem_max_mantissa(self) -> int:
@@ -64,6 +80,26 @@ FORMATS: dict[str, Format] = {
         Format("mxfp8_e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, emax=8, mbits=3, emin=-6),
         Format("mxfp8_e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, emax=15, mbits=2, emin=-14),
         Format("mxfp4", jnp.dtype(jnp.float4_e2m1fn), 6.0, emax=2, mbits=1, emin=0),
+        Format(
+            "fp8_e4m3_block",
+            jnp.dtype(jnp.float8_e4m3fn),
+            448.0,
+            emax=8,
+            mbits=3,
+            emin=-6,
+            block=128,
+            scale_dtype=jnp.dtype(jnp.float32),
+        ),
+        Format(
+            "fp8_e5m2_block",
+            jnp.dtype(jnp.float8_e5m2),
+            57344.0,
+            emax=15,
+            mbits=2,
+            emin=-14,
+            block=128,
+            scale_dtype=jnp.dtype(jnp.float32),
+        ),
     )
 }
 
@@ -75,6 +111,17 @@ SCALE_MODES = ("rceil", "floor", "ceil", "even")
 - ``floor``: OCP MX v1.0, ``floor(log2(amax)) - emax``; the block maximum may saturate.
 - ``ceil``: ``ceil(log2(amax)) - emax``.
 - ``even``: amax rounded to the element's mantissa width (ties away), then ``floor``.
+"""
+
+BLOCK_SCALE_MODES = ("fp32", "pow2")
+"""How a block-FP8 block's float32 scale ``s`` is derived from its absolute maximum ``amax``.
+
+- ``fp32``: ``s = amax / elem_max`` (float32 division, round to nearest even), at least 2^-126
+  (the smallest normal float32). The default; DeepSeek-V3's recipe.
+- ``pow2``: ``s = 2^k``, the smallest power of two with ``amax / 2^k <= elem_max`` (k at least
+  -127), computed exactly: the same exponent as the MX ``rceil`` rule.
+
+Both: an all-zero block has ``s = 1``, a block holding NaN or inf has ``s = NaN``.
 """
 
 
@@ -96,8 +143,14 @@ def get_format(fmt: str | Format) -> Format:
     raise ValueError(f"unknown MX format {fmt!r}; expected one of {sorted(FORMATS)}")
 
 
-def check_scale_mode(scale_mode: str) -> str:
-    """Returns ``scale_mode`` if it is known, else raises a ValueError naming the choices."""
-    if not isinstance(scale_mode, str) or scale_mode not in SCALE_MODES:
-        raise ValueError(f"unknown scale_mode {scale_mode!r}; expected one of {SCALE_MODES}")
+def check_scale_mode(scale_mode: str | None, fmt: str | Format = "mxfp8_e4m3") -> str:
+    """``scale_mode`` if ``fmt`` takes it (``None``: the format's default), else a ValueError
+    naming the choices."""
+    f = get_format(fmt)
+    if scale_mode is None:
+        return f.scale_modes[0]
+    if not isinstance(scale_mode, str) or scale_mode not in f.scale_modes:
+        raise ValueError(
+            f"unknown scale_mode {scale_mode!r} for {f.name}; expected one of {f.scale_modes}"
+        )
     return scale_mode

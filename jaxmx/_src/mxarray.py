@@ -1,4 +1,4 @@
-"""MXArray: MX-quantized data plus E8M0 block scales, as a JAX pytree.
+"""MXArray: block-quantized data plus its block scales, as a JAX pytree.
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxmx
@@ -23,15 +23,20 @@ from jaxmx._src.formats import Format, get_format
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MXArray:
-    """A tensor quantized in blocks along one axis.
+    """A tensor quantized in blocks along one axis, or in 2-D tiles of its last two axes.
 
     Attributes:
         data: element codes, the logical shape padded along ``axis`` to a multiple of the block
-            (padding codes are zero; consumers ignore them).
-        scale: ``float8_e8m0fnu`` block scales; ``data``'s shape with ``axis`` divided by the block.
+            (with ``tile``, the last two axes to multiples of the tile); padding codes are zero
+            and consumers ignore them.
+        scale: the block scales (the format's ``scale_dtype``: ``float8_e8m0fnu`` or
+            ``float32``); ``data``'s shape with ``axis`` divided by the block (with ``tile``, the
+            last two axes divided by the tile's sides).
         fmt: the format name (static).
-        axis: the (non-negative) block axis (static).
+        axis: the (non-negative) block axis (static); with ``tile``, the last axis.
         shape: the logical, unpadded shape (static).
+        tile: ``None`` (1-D blocks along ``axis``) or ``(rows, cols)``: one scale per tile of the
+            last two axes (static).
 
     Under ``vmap`` the leaves may carry extra leading dimensions that ``shape`` does not list.
     Every jaxmx function that consumes an MXArray checks it first (:func:`checked`), so a
@@ -43,6 +48,7 @@ class MXArray:
     fmt: str = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def format(self) -> Format:
@@ -62,30 +68,45 @@ class MXArray:
     @property
     def nbytes(self) -> int:
         """Storage of data and scales in bytes (E2M1 counted as half a byte per element)."""
-        return self.data.size * self.format.bits // 8 + self.scale.size
+        return self.data.size * self.format.bits // 8 + self.scale.size * self.scale.itemsize
 
     def __repr__(self) -> str:
-        return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis})"
+        tile = f", tile={self.tile}" if self.tile else ""
+        return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}{tile})"
 
 
-def padded_shape(shape: tuple[int, ...], axis: int, block: int) -> tuple[int, ...]:
-    """``shape`` with ``axis`` rounded up to a multiple of ``block`` (the shape of the codes)."""
-    return (*shape[:axis], -(-shape[axis] // block) * block, *shape[axis + 1 :])
+def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """Elements per scale along each axis: ``block`` along ``axis``, or ``tile`` over the last
+    two axes, 1 elsewhere."""
+    if tile is not None:
+        return (1,) * (len(shape) - 2) + tuple(tile)
+    return tuple(block if i == axis else 1 for i in range(len(shape)))
 
 
-def scale_shape(shape: tuple[int, ...], axis: int, block: int) -> tuple[int, ...]:
-    """The shape of the block scales of a tensor of logical ``shape`` blocked along ``axis``."""
-    return (*shape[:axis], -(-shape[axis] // block), *shape[axis + 1 :])
+def padded_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """``shape`` rounded up to whole blocks (or tiles): the shape of the codes."""
+    return tuple(
+        -(-n // b) * b for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
+    )
+
+
+def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of logical ``shape`` blocked along ``axis`` (or
+    tiled)."""
+    return tuple(-(-n // b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True))
 
 
 def swap_last_axes(q: MXArray) -> MXArray:
     """``q`` [..., A, B] blocked along A, stored transposed: [..., B, A] blocked along axis -1.
 
     Only the 1-byte codes and the scales move. E.g. a columnwise copy quantized along M of
-    ``x [M, K]`` becomes the TN operand ``[K, M]`` of a GEMM that reduces M.
+    ``x [M, K]`` becomes the TN operand ``[K, M]`` of a GEMM that reduces M. A tiled ``q``
+    becomes the tiled transpose (``tile`` reversed): the same bytes serve ``x`` and ``x.T``.
     """
     shape = (*q.shape[:-2], q.shape[-1], q.shape[-2])
-    return MXArray(q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2), q.fmt, len(shape) - 1, shape)
+    tile = None if q.tile is None else q.tile[::-1]
+    data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
+    return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile)
 
 
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
@@ -118,10 +139,15 @@ def checked(q, where: str) -> MXArray:
     data, scale = jnp.asarray(q.data), jnp.asarray(q.scale)
     if data.dtype != f.dtype:
         raise TypeError(f"{where}: an {f.name} MXArray holds {f.dtype} codes, got {data.dtype}")
-    if scale.dtype != jnp.float8_e8m0fnu:
-        raise TypeError(f"{where}: MXArray scales must be float8_e8m0fnu, got {scale.dtype}")
-    want_data = padded_shape(shape, q.axis, f.block)
-    want_scale = scale_shape(shape, q.axis, f.block)
+    if scale.dtype != f.scale_dtype:
+        raise TypeError(
+            f"{where}: {f.name} MXArray scales must be {f.scale_dtype}, got {scale.dtype}"
+        )
+    tile = check_tile(q.tile, len(shape), where)
+    if tile is not None and q.axis != len(shape) - 1:
+        raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {q.axis}")
+    want_data = padded_shape(shape, q.axis, f.block, tile)
+    want_scale = scale_shape(shape, q.axis, f.block, tile)
     # Under vmap the leaves gain leading dims, or lose the logical shape's leading dims (an
     # MXArray built outside and vmapped over): compare the trailing dims, block axis included.
     n = min(data.ndim, len(shape))
@@ -134,11 +160,29 @@ def checked(q, where: str) -> MXArray:
     )
     if not consistent:
         raise ValueError(
-            f"{where}: an MXArray of logical shape {shape} blocked along axis {q.axis} holds "
+            f"{where}: an MXArray of logical shape {shape} blocked along axis {q.axis}"
+            f"{f' in {tile} tiles' if tile else ''} holds "
             f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
             f"leading batch dims), got codes {data.shape} and scales {scale.shape}"
         )
-    return MXArray(data, scale, f.name, q.axis, shape)
+    return MXArray(data, scale, f.name, q.axis, shape, tile)
+
+
+def check_tile(tile, ndim: int, where: str) -> tuple[int, int] | None:
+    """``tile`` as a pair of positive sizes (or ``None``), for an array of rank ``ndim``."""
+    if tile is None:
+        return None
+    try:
+        rows, cols = (operator.index(t) for t in tile)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where}: tile must be a pair of sizes (rows, cols), got {tile!r}"
+        ) from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{where}: tile sizes must be positive, got {tile!r}")
+    if ndim < 2:
+        raise ValueError(f"{where}: 2-D tiles need an array of rank >= 2, got rank {ndim}")
+    return rows, cols
 
 
 def _shape(shape, where: str) -> tuple[int, ...]:

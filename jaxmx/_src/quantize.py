@@ -1,4 +1,5 @@
-"""Quantize to and dequantize from MX formats, bit-exact to the OCP MX spec and cuBLAS rceil.
+"""Quantize to and dequantize from block-scaled formats: the OCP MX formats (bit-exact to the
+spec and to cuBLAS's rceil) and block FP8 (DeepSeek-V3's 1x128 / 128x128 float32-scaled tiles).
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -23,31 +24,48 @@ from jaxmx._src import bits
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
-from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, swap_last_axes
+from jaxmx._src.mxarray import (
+    MXArray,
+    check_tile,
+    checked,
+    padded_shape,
+    scale_shape,
+    swap_last_axes,
+)
 
 
 def quantize(
     x: jax.Array,
     fmt: str = "mxfp8_e4m3",
     axis: int = -1,
-    scale_mode: str = "rceil",
+    scale_mode: str | None = None,
     *,
     key: jax.Array | None = None,
+    tile: tuple[int, int] | None = None,
 ) -> MXArray:
-    """Quantizes ``x`` in blocks of 32 consecutive elements along ``axis``.
+    """Quantizes ``x`` in blocks of consecutive elements along ``axis`` (32 for the MX formats,
+    128 for block FP8), or in 2-D tiles of its last two axes.
 
     Args:
         x: a float32, bfloat16 or float16 array of any rank >= 1.
-        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"`` or ``"mxfp4"``.
-        axis: the block axis; padded with zeros to a multiple of 32 when needed.
-        scale_mode: ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"``; see
-            :data:`jaxmx.formats.SCALE_MODES`.
+        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"`` or
+            ``"fp8_e5m2_block"``.
+        axis: the block axis; padded with zeros to a multiple of the block when needed.
+        scale_mode: the scale rule; ``None`` takes the format's default. MX formats:
+            ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"`` (see
+            :data:`jaxmx.SCALE_MODES`); block FP8: ``"fp32"`` (default) or ``"pow2"`` (see
+            :data:`jaxmx.BLOCK_SCALE_MODES`).
         key: a PRNG key to round elements stochastically (unbiased); ``None`` rounds to nearest
             even.
+        tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
+            along ``axis`` (which must then be the last axis); both axes are zero-padded to whole
+            tiles. The transpose quantized with ``tile[::-1]`` holds the same bytes.
 
     Returns:
-        An :class:`MXArray`. A block that holds a NaN or an infinity gets the NaN scale (0xFF) and
-        dequantizes to NaN; an all-zero block gets the smallest scale (byte 0) and zero elements.
+        An :class:`MXArray`. MX formats: a block that holds a NaN or an infinity gets the NaN
+        scale (0xFF) and dequantizes to NaN; an all-zero block gets the smallest scale (byte 0)
+        and zero elements. Block FP8: scales are float32, NaN for a block holding NaN or inf, 1
+        for an all-zero block; elements are ``x / s`` rounded to nearest even, saturating.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -58,21 +76,38 @@ def quantize(
         [480.0, 480.0]
     """
     f = get_format(fmt)
-    check_scale_mode(scale_mode)
+    scale_mode = check_scale_mode(scale_mode, f)
     x = jnp.asarray(x)
     _check_input(x)
     axis = normalize_axis(axis, x.ndim)
-    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
+    tile = check_tile(tile, x.ndim, "quantize")
+    if tile is not None and axis != x.ndim - 1:
+        raise ValueError(
+            f"quantize: with tile, axis must be the last axis ({x.ndim - 1}), got {axis}"
+        )
+    if tile is None:
+        axes = (ReducedAxis(axis, f"{axis}"),)
+        check_block_alignment(x, "jaxmx.quantize", "x", axes, f.block)
+    else:
+        for i, side in zip((x.ndim - 2, x.ndim - 1), tile, strict=True):
+            check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(i, f"{i}"),), side)
     if key is not None:
         key = _check_key(key)
-    xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+    if tile is None:
+        xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+    else:
+        xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
     data, scale = _quantize_blocks(xb, f, scale_mode, key)
+    padded = padded_shape(x.shape, axis, f.block, tile)
+    if tile is not None:
+        data = untile(data, padded, tile)
     return MXArray(
-        data=data.reshape(padded_shape(x.shape, axis, f.block)),
-        scale=scale.reshape(scale_shape(x.shape, axis, f.block)),
+        data=data.reshape(padded),
+        scale=scale.reshape(scale_shape(x.shape, axis, f.block, tile)),
         fmt=f.name,
         axis=axis,
         shape=tuple(x.shape),
+        tile=tile,
     )
 
 
@@ -101,23 +136,38 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     # XLA's constant folder mis-evaluates the bit manipulation below on transposed float8
     # constants (e.g. quantized jit-captured arrays): the barrier keeps it out of folding.
     q = lax.optimization_barrier(q)
-    axis = q.data_axis
-    outer = math.prod(q.data.shape[:axis])
-    n_blocks = q.scale.shape[axis]
-    inner = math.prod(q.data.shape[axis + 1 :])
-    values = decode_elements(q.data, f).reshape(outer, n_blocks, f.block, inner)
-    byte = scale_exponent_bytes(q.scale).reshape(outer, n_blocks, 1, inner)
-    k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
-    out = bits.ldexp_exact(values, k)
-    out = jnp.where(byte == bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
-    out = lax.slice_in_dim(out, 0, q.shape[q.axis], axis=axis)
+    values = decode_elements(q.data, f)
+    if q.tile is None:
+        axis = q.data_axis
+        outer = math.prod(q.data.shape[:axis])
+        inner = math.prod(q.data.shape[axis + 1 :])
+        values = values.reshape(outer, q.scale.shape[axis], f.block, inner)
+        scale = q.scale.reshape(outer, q.scale.shape[axis], 1, inner)
+    else:
+        values = tiles(values, q.tile)
+        scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)
+    out = _scaled(values, scale, f)
+    out = untile(out, q.data.shape, q.tile) if q.tile else out.reshape(q.data.shape)
+    for i, n in enumerate(q.shape[-2:] if q.tile else (q.shape[q.axis],)):
+        axis = out.ndim - 2 + i if q.tile else q.data_axis
+        out = lax.slice_in_dim(out, 0, n, axis=axis)
     return out.astype(dtype)
+
+
+def _scaled(values: jax.Array, scale: jax.Array, f: Format) -> jax.Array:
+    """Decoded elements times their block's scale: exact for E8M0 scales (subnormal results
+    included); a float32 product for float32 scales."""
+    if not f.is_mx:
+        return values * scale
+    byte = scale_exponent_bytes(scale)
+    out = bits.ldexp_exact(values, jnp.minimum(byte, 254) - bits.EXPONENT_BIAS)
+    return jnp.where(byte == bits.E8M0_NAN, jnp.nan, out)
 
 
 def quantize_rowwise_colwise(
     x: jax.Array,
     fmt: str = "mxfp8_e4m3",
-    scale_mode: str = "rceil",
+    scale_mode: str | None = None,
     *,
     key: jax.Array | None = None,
 ) -> tuple[MXArray, MXArray]:
@@ -191,6 +241,26 @@ def normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
+def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``x [..., R, C]`` zero-padded to whole tiles and viewed as ``[outer, n_tiles, rows * cols,
+    1]`` (tiles in row-major order, each tile's elements row-major)."""
+    rows, cols = tile
+    r, c = x.shape[-2:]
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, -r % rows), (0, -c % cols)]
+    x = jnp.pad(x, pad) if any(p for _, p in pad) else x
+    r, c = x.shape[-2:]
+    x = x.reshape(-1, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)
+    return x.reshape(x.shape[0], (r // rows) * (c // cols), rows * cols, 1)
+
+
+def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.Array:
+    """The inverse of :func:`tiles` for a padded ``shape`` (whole tiles)."""
+    rows, cols = tile
+    r, c = shape[-2:]
+    t = t.reshape(-1, r // rows, c // cols, rows, cols).transpose(0, 1, 3, 2, 4)
+    return t.reshape(shape)
+
+
 def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
     x = bits.upcast_exact(x)
@@ -206,6 +276,8 @@ def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 
 def _quantize_blocks(xb, f: Format, scale_mode: str, key):
+    if not f.is_mx:
+        return _quantize_blocks_float32_scale(xb, f, scale_mode, key)
     x_bits = bits.to_bits(xb)
     magnitude_bits = x_bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
 
@@ -227,6 +299,32 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
         scaled = _round_stochastically(scaled, f, key)
     elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return elements, jnp.squeeze(scale, axis=2)
+
+
+def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, key):
+    """Block FP8: float32 scales (:data:`jaxmx.BLOCK_SCALE_MODES`), codes ``E4M3(x / s)``."""
+    amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
+    amax = bits.from_bits(amax_bits)
+    if scale_mode == "fp32":
+        # a true division: XLA turns a division by a broadcast scalar into a multiplication by
+        # its (rounded) reciprocal, one ulp off; a full array behind a barrier keeps the divide
+        elem_max = lax.optimization_barrier(jnp.full(amax.shape, f.elem_max, jnp.float32))
+        scale = jnp.maximum(amax / elem_max, jnp.float32(2.0**-126))
+    else:  # pow2: the rceil exponent, k >= -127, exact
+        byte = bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
+        scale = bits.ldexp_exact(jnp.ones_like(amax), byte - bits.EXPONENT_BIAS)
+    nonfinite = (amax_bits >> bits.MANTISSA_BITS) == 0xFF
+    scale = jnp.where(nonfinite, jnp.nan, jnp.where(amax_bits == 0, 1.0, scale))
+    # x / s as the quotient of normal floats: both scaled by 2^64 where s is tiny, so no
+    # subnormal operand meets a flushing division (the quotient is unchanged); the divisor is
+    # materialised behind a barrier, or XLA divides by multiplying with a rounded reciprocal
+    boost = jnp.where(scale < 2.0**-60, 64, 0)
+    divisor = jnp.broadcast_to(bits.scale_by_pow2(scale, boost), xb.shape)
+    scaled = bits.scale_by_pow2(xb, boost) / lax.optimization_barrier(divisor)
+    if key is not None:
+        scaled = _round_stochastically(scaled, f, key)
+    elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
     return elements, jnp.squeeze(scale, axis=2)
 
 

@@ -1,0 +1,165 @@
+"""Block FP8 (1x128 blocks, 128x128 tiles, float32 scales) and 2-D MX tiles, against numpy."""
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
+
+import jaxmx
+
+BLOCK_FORMATS = {
+    "fp8_e4m3_block": (ml_dtypes.float8_e4m3fn, 448.0),
+    "fp8_e5m2_block": (ml_dtypes.float8_e5m2, 57344.0),
+}
+
+
+def block_scale(v: np.ndarray, elem_max: float, mode: str) -> np.float32:
+    """One block's float32 scale, from the definitions (float32 amax, float32 division)."""
+    amax = np.max(np.abs(v.astype(np.float32)))
+    if not np.isfinite(amax):
+        return np.float32(np.nan)
+    if amax == 0:
+        return np.float32(1.0)
+    if mode == "fp32":
+        return max(np.float32(amax) / np.float32(elem_max), np.float32(2.0**-126))
+    k = math.ceil(math.log2(float(amax) / elem_max))
+    while float(amax) > elem_max * 2.0**k:  # exact comparisons fix log2's last bit
+        k += 1
+    while k > -127 and float(amax) <= elem_max * 2.0 ** (k - 1):
+        k -= 1
+    return np.float32(2.0 ** max(k, -127))
+
+
+def reference_block_fp8(x, fmt, mode, axis=-1, tile=None):
+    """(codes, scales) of x quantized per block of 128 along axis, or per tile of the last two
+    axes, zero-padded; codes are E(x / s) with float32 division and saturation."""
+    dtype, elem_max = BLOCK_FORMATS[fmt]
+    x = np.asarray(x).astype(np.float32)
+    if tile is None:
+        x = np.moveaxis(x, axis, -1)
+        rows, cols = 1, 128
+    else:
+        rows, cols = tile
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, -x.shape[-2] % rows), (0, -x.shape[-1] % cols)]
+    x = np.pad(x, pad)
+    r, c = x.shape[-2:]
+    scales = np.zeros((*x.shape[:-2], r // rows, c // cols), np.float32)
+    codes = np.zeros(x.shape, dtype)
+    for idx in np.ndindex(scales.shape):
+        lead, i, j = idx[:-2], idx[-2], idx[-1]
+        sl = (*lead, slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
+        s = block_scale(x[sl], elem_max, mode)
+        scales[idx] = s
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            codes[sl] = np.clip(x[sl] / s, -elem_max, elem_max).astype(dtype)
+    if tile is None:
+        return np.moveaxis(codes, -1, axis), np.moveaxis(scales, -1, axis)
+    return codes, scales
+
+
+def adversarial(shape=(300, 260), seed=0) -> np.ndarray:
+    """Outlier rows and columns, all-zero and NaN/inf blocks, a tiny block; sizes not a multiple
+    of 128 (padding)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[7] *= 1e4  # an outlier row
+    x[:, 3] *= 3e3  # an outlier column
+    x[130:140, :128] = 0.0  # zero blocks (1x128) ...
+    x[256:, 128:256] = 0.0  # ... and a zero 128x128 tile (rows 256..299, padding below)
+    x[200, 140], x[210, 30] = np.nan, np.inf
+    x[290:300, 256:] = 1e-37  # a block below 448 * 2^-126: its fp32 scale is clamped
+    return x
+
+
+def as_uint8(a):
+    return np.asarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("fmt", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("mode", ["fp32", "pow2"])
+@pytest.mark.parametrize("layout", [(1, None), (0, None), (1, (128, 128)), (1, (64, 128))])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_quantize_equals_the_definition(fmt, mode, layout, dtype):
+    axis, tile = layout
+    x = adversarial()
+    if dtype == jnp.float16:
+        x = np.where(np.abs(x) > 6e4, np.sign(x) * 6e4, x)  # float16's range
+        x[290:300, 256:] = 1e-4
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # the values the quantizer sees
+    q = jaxmx.quantize(jnp.asarray(x, dtype), fmt, axis=axis, scale_mode=mode, tile=tile)
+    codes, scales = reference_block_fp8(x, fmt, mode, axis, tile)
+    assert q.scale.dtype == jnp.float32 and q.tile == tile
+    np.testing.assert_array_equal(np.asarray(q.scale), scales)
+    nan = np.isnan(codes.astype(np.float32))  # any NaN code: the byte is the codec's choice
+    np.testing.assert_array_equal(np.isnan(np.asarray(q.data, np.float32)), nan)
+    np.testing.assert_array_equal(as_uint8(q.data)[~nan], as_uint8(codes)[~nan])
+
+
+@pytest.mark.parametrize("fmt", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("tile", [None, (128, 128)])
+def test_dequantize_is_codes_times_scales(fmt, tile):
+    x = adversarial()
+    q = jaxmx.quantize(jnp.asarray(x), fmt, tile=tile)
+    codes, scales = reference_block_fp8(x, fmt, "fp32", -1, tile)
+    rows, cols = tile or (1, 128)
+    expanded = np.repeat(np.repeat(scales, rows, -2), cols, -1)
+    want = (codes.astype(np.float32) * expanded)[: x.shape[0], : x.shape[1]]
+    got = np.asarray(jaxmx.dequantize(q))
+    normal = ~(np.abs(want) < 2.0**-126) | (want == 0)  # XLA:CPU flushes float32 subnormals
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert np.all((got[~normal] == want[~normal]) | (got[~normal] == 0))
+    assert np.isnan(got[200, 140]) and np.isnan(got[210, 30])
+
+
+@pytest.mark.parametrize(
+    "fmt, tile",
+    [("fp8_e4m3_block", (128, 128)), ("mxfp8_e4m3", (32, 32)), ("fp8_e4m3_block", (64, 128))],
+)
+def test_a_tiled_transpose_holds_the_same_bytes(fmt, tile):
+    x = jnp.asarray(adversarial())
+    q = jaxmx.quantize(x, fmt, tile=tile)
+    qt = jaxmx.quantize(x.T, fmt, tile=tile[::-1])
+    np.testing.assert_array_equal(as_uint8(q.data).T, as_uint8(qt.data))
+    np.testing.assert_array_equal(
+        np.asarray(q.scale, np.float32).T, np.asarray(qt.scale, np.float32)
+    )
+
+
+@pytest.mark.parametrize("mode", ["rceil", "floor"])
+def test_mx_tiles_use_the_mx_rule_per_tile(mode):
+    x = adversarial()[:96, :100]  # outlier row and column, zero blocks, 100 = 3 tiles + 4
+    q = jaxmx.quantize(jnp.asarray(x), "mxfp8_e4m3", scale_mode=mode, tile=(32, 32))
+    assert q.scale.shape == (3, 4) and q.scale.dtype == jnp.float8_e8m0fnu
+    padded = np.pad(x, [(0, 0), (0, 28)])
+    for i in range(3):
+        for j in range(4):
+            t = padded[32 * i : 32 * (i + 1), 32 * j : 32 * (j + 1)]
+            byte = ref.scale_byte(np.max(np.abs(t)), "mxfp8_e4m3", mode)
+            assert as_uint8(q.scale)[i, j] == byte
+            if byte != ref.E8M0_NAN:
+                grid = ref.round_to_grid(t.astype(np.float64) / 2.0 ** (byte - 127), "mxfp8_e4m3")
+                codes = grid.astype(ml_dtypes.float8_e4m3fn)
+                np.testing.assert_array_equal(
+                    as_uint8(q.data[32 * i : 32 * (i + 1), 32 * j : 32 * (j + 1)]), as_uint8(codes)
+                )
+
+
+def test_bad_block_arguments():
+    x = jnp.ones((4, 256))
+    with pytest.raises(ValueError, match="scale_mode 'rceil' for fp8_e4m3_block"):
+        jaxmx.quantize(x, "fp8_e4m3_block", scale_mode="rceil")
+    with pytest.raises(ValueError, match="scale_mode 'fp32' for mxfp8_e4m3"):
+        jaxmx.quantize(x, "mxfp8_e4m3", scale_mode="fp32")
+    with pytest.raises(ValueError, match="with tile, axis must be the last axis"):
+        jaxmx.quantize(x, "fp8_e4m3_block", axis=0, tile=(128, 128))
+    with pytest.raises(ValueError, match="tile must be a pair"):
+        jaxmx.quantize(x, "fp8_e4m3_block", tile=128)
+    with pytest.raises(ValueError, match="rank >= 2"):
+        jaxmx.quantize(jnp.ones(256), "fp8_e4m3_block", tile=(128, 128))
+    q = jaxmx.quantize(x, "fp8_e4m3_block")
+    bad = jaxmx.MXArray(q.data, q.scale.astype(jnp.bfloat16), q.fmt, q.axis, q.shape)
+    with pytest.raises(TypeError, match="fp8_e4m3_block MXArray scales must be float32"):
+        jaxmx.dequantize(bad)

@@ -125,7 +125,12 @@ def block_stats(
     bits, so subnormal inputs are classified exactly on every platform.
     """
     f = get_format(fmt)
-    check_scale_mode(scale_mode)
+    if not f.is_mx:
+        raise ValueError(
+            f"block_stats covers the MX formats (E8M0 scales), not {f.name}; see "
+            "docs/diagnostics.md"
+        )
+    check_scale_mode(scale_mode, f)
     x = as_float_array(x, "block_stats: x")
     if x.ndim == 0:
         raise ValueError("block_stats expects an array of rank >= 1, got a scalar")

@@ -50,7 +50,7 @@ from jaxmx._src.alignment import (
 from jaxmx._src.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.formats import get_format
 from jaxmx._src.matmul import matmul
-from jaxmx._src.mxarray import MXArray
+from jaxmx._src.mxarray import MXArray, swap_last_axes
 from jaxmx._src.quantize import quantize
 from jaxmx._src.recipes import MXFP8, Recipe
 from jaxmx._src.vma import varying_axes
@@ -106,6 +106,8 @@ def dot_general(
     problems = _alignment_problems(lhs, rhs, dims, get_format(recipe.fwd).block)
     if "K" in problems:
         raise BlockShardingError(problems["K"])
+    if "N" in problems and recipe.weight_tile:  # the forward's weight tiles span N too
+        raise BlockShardingError(problems["N"])
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype, tuple(problems.values()))
     mesh, out_spec = _explicit_layout(lhs, rhs, dims)
     if mesh is None:
@@ -248,13 +250,14 @@ def _forward(static: _Static, x, w, key, training: bool):
         keys.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
-    y = _gemm(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r)
+    w_q = _tiled(w, r.fwd, r) if r.weight_tile else _rowwise(w, r.fwd, r)
+    y = _gemm(_rowwise(x, r.fwd, r), w_q, static.out_dtype, r)
     if not training:
         return y, None
     if r.residuals == "quantized":
         saved = (
             _named(_colwise(x, r.fwd, r), LHS_COLWISE),
-            _named(_colwise(w, r.fwd, r), RHS_COLWISE),
+            _named(w_q if r.weight_tile else _colwise(w, r.fwd, r), RHS_COLWISE),
         )
     else:
         saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
@@ -267,7 +270,10 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:
-        x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
+        x_col = _colwise(x_saved, r.fwd, r)
+        w_col = _tiled(w_saved, r.fwd, r) if r.weight_tile else _colwise(w_saved, r.fwd, r)
+    if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
+        w_col = swap_last_axes(w_col)
     row_key, col_key = keys.copy_keys(key)
     g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
     g_col = _colwise(g, r.grad, r, col_key)  # along M
@@ -326,6 +332,12 @@ def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
 def _colwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
     """x [B, M, K] quantized along M, kept in place (the GEMM contracts it K-first)."""
     return quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _tiled(w, fmt: str, r: Recipe) -> MXArray:
+    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs."""
+    return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
 def _named(q: MXArray, name: str) -> MXArray:

@@ -17,6 +17,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+
 
 @dataclasses.dataclass(frozen=True)
 class Format:
@@ -41,12 +43,12 @@ class Format:
     mbits: int
     emin: int
     block: int = 32
-    scale_dtype: np.dtype = jnp.dtype(jnp.float8_e8m0fnu)
+    scale_dtype: np.dtype = E8M0
 
     @property
     def is_mx(self) -> bool:
         """Whether scales are E8M0 (an OCP MX format), not float32 (block FP8)."""
-        return self.scale_dtype == jnp.dtype(jnp.float8_e8m0fnu)
+        return self.scale_dtype == E8M0
 
     @property
     def scale_modes(self) -> tuple[str, ...]:

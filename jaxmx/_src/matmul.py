@@ -22,9 +22,10 @@ from jaxmx._src import native
 from jaxmx._src.accumulation import Accumulation, limited_matmul
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.backends import per_platform
+from jaxmx._src.dequantized import dequantized_matmul
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
-from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes, untiled
 
 
 def matmul(
@@ -73,6 +74,9 @@ def matmul(
 def _limited(a, b, out_dtype, backend, accum_bits, promote_every) -> jax.Array:
     if accum_bits is None:
         raise ValueError("matmul: promote_every needs accum_bits (a limited accumulator)")
+    if not (a.format.is_mx and b.format.is_mx):
+        raise ValueError(f"matmul: accum_bits models MX GEMMs only, got {a.fmt} x {b.fmt} operands")
+    a, b = untiled(a), untiled(b)
     if backend not in ("auto", "emulate"):
         raise ValueError(
             f"matmul: accum_bits models the accumulator in the emulation only; backend {backend!r} "
@@ -81,11 +85,22 @@ def _limited(a, b, out_dtype, backend, accum_bits, promote_every) -> jax.Array:
     return limited_matmul(a, b, out_dtype, Accumulation(accum_bits, promote_every).check())
 
 
+def _emulate(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
+    """The exact MX emulation, or the float32 one for float32-scaled and narrow-tiled operands."""
+    if a.format.is_mx and b.format.is_mx and _untileable(a) and _untileable(b):
+        return emulated_matmul(untiled(a), untiled(b), out_dtype)
+    return dequantized_matmul(a, b, out_dtype)
+
+
+def _untileable(q: MXArray) -> bool:
+    return q.tile is None or q.tile[1] == q.format.block
+
+
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
-    return native.mx_matmul(_tn(a), _tn(b), out_dtype)
+    return native.mx_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
 
 
-_RUNNERS = {"emulate": emulated_matmul, "ffi": _native}
+_RUNNERS = {"emulate": _emulate, "ffi": _native}
 
 
 def _tn(q: MXArray) -> MXArray:

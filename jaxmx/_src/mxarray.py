@@ -109,6 +109,23 @@ def swap_last_axes(q: MXArray) -> MXArray:
     return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile)
 
 
+def untiled(q: MXArray) -> MXArray:
+    """A tiled ``q`` as 1-D blocks along its last axis (each tile's scale repeated over its
+    rows), for consumers that take only 1-D blocks; the codes are unchanged. Needs tiles as wide
+    as the format's block."""
+    if q.tile is None:
+        return q
+    rows, cols = q.tile
+    if cols != q.format.block:
+        raise ValueError(
+            f"a {q.tile} tiled MXArray has no 1-D form: its tiles must be {q.format.block} wide"
+        )
+    n = q.shape[-2]
+    data = q.data[..., :n, :]
+    scale = jnp.repeat(q.scale, rows, axis=-2)[..., :n, :]
+    return MXArray(data, scale, q.fmt, q.axis, q.shape)
+
+
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
     """Two checked GEMM operands, each blocked along K: the same K and the same batch dims."""
     if a.shape[a.axis] != b.shape[b.axis]:

@@ -70,6 +70,11 @@ def ragged_dot(
             "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' or "
             "'auto' (which emulates it)"
         )
+    if recipe.weight_tile is not None:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.weight_tile (2-D weight tiles) is not available for "
+            "grouped GEMMs; use a recipe without it"
+        )
     if recipe.accum_bits is not None:
         raise NotImplementedError(
             "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "

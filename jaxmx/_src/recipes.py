@@ -23,9 +23,12 @@ class Recipe:
     """How :func:`jaxmx.dot_general` quantizes its three GEMMs (frozen and hashable).
 
     Attributes:
-        fwd: format of the activations and weights (both copies), e.g. ``"mxfp8_e4m3"``.
+        fwd: format of the activations and weights (both copies), e.g. ``"mxfp8_e4m3"`` or
+            ``"fp8_e4m3_block"``.
         grad: format of the output gradient in the dgrad and wgrad GEMMs.
-        scale_mode: E8M0 scale rule, see :data:`jaxmx.SCALE_MODES` (``"rceil"`` by default).
+        scale_mode: the scale rule of both formats: :data:`jaxmx.SCALE_MODES` for MX formats
+            (``"rceil"`` by default), :data:`jaxmx.BLOCK_SCALE_MODES` (``"fp32"``, ``"pow2"``)
+            for block FP8.
         backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
             (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native custom
             call: cuBLASLt on a Blackwell GPU, its C++ twin on the CPU).
@@ -41,6 +44,9 @@ class Recipe:
             emulates on every platform and ``"ffi"`` is refused.
         promote_every: with ``accum_bits``, promote the partial sum to float32 every this many
             elements of K (a multiple of 32; DeepSeek-V3 uses 128); ``None``: never.
+        weight_tile: ``None``, or ``(block, block)`` of ``fwd``'s block: the weight (the rhs of
+            :func:`jaxmx.dot_general`) is quantized once per step in 2-D tiles, and the same
+            bytes serve the forward GEMM and, transposed, the input-gradient GEMM.
     """
 
     fwd: str = "mxfp8_e4m3"
@@ -51,11 +57,19 @@ class Recipe:
     grad_rounding: str = "nearest"
     accum_bits: int | None = None
     promote_every: int | None = None
+    weight_tile: tuple[int, int] | None = None
 
     def __post_init__(self):
-        get_format(self.fwd)
-        get_format(self.grad)
-        check_scale_mode(self.scale_mode)
+        fwd, grad = get_format(self.fwd), get_format(self.grad)
+        check_scale_mode(self.scale_mode, fwd)
+        check_scale_mode(self.scale_mode, grad)
+        if self.weight_tile is not None:
+            if tuple(self.weight_tile) != (fwd.block, fwd.block):
+                raise ValueError(
+                    f"Recipe.weight_tile must be None or ({fwd.block}, {fwd.block}) for "
+                    f"{fwd.name} (square tiles of its block), got {self.weight_tile!r}"
+                )
+            object.__setattr__(self, "weight_tile", (fwd.block, fwd.block))
         check_backend(self.backend)
         _check_choice("residuals", self.residuals, RESIDUALS)
         _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
@@ -63,6 +77,8 @@ class Recipe:
             raise ValueError("Recipe.promote_every needs accum_bits (a limited accumulator)")
         if self.accum_bits is not None:
             Accumulation(self.accum_bits, self.promote_every).check()
+            if not (fwd.is_mx and grad.is_mx):
+                raise ValueError("Recipe.accum_bits models MX GEMMs only, not block FP8")
             if self.backend == "ffi":
                 raise ValueError(
                     "Recipe.accum_bits models the accumulator in the emulation only; use "
@@ -91,3 +107,16 @@ MXFP8 = Recipe()
 
 MXFP8_HYBRID = Recipe(grad="mxfp8_e5m2")
 """E4M3 activations and weights, E5M2 gradients."""
+
+MXFP8_2D = Recipe(weight_tile=(32, 32))
+"""MXFP8 with 32x32 weight tiles: one quantization of each weight per step serves the forward
+and the input-gradient GEMMs (W and W^T quantized consistently)."""
+
+DEEPSEEK_FP8 = Recipe(
+    fwd="fp8_e4m3_block", grad="fp8_e4m3_block", scale_mode="fp32", weight_tile=(128, 128)
+)
+"""DeepSeek-V3's FP8 recipe: E4M3 everywhere, activations and gradients in 1x128 blocks along
+each GEMM's reduction axis, weights in 128x128 tiles, float32 scales (``amax / 448``)."""
+
+FP8_BLOCK_POW2 = DEEPSEEK_FP8.replace(scale_mode="pow2")
+""":data:`DEEPSEEK_FP8` with power-of-two scales."""

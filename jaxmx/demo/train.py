@@ -217,11 +217,12 @@ def _progress(total: int, name: str, enabled: bool):
     return tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
 
 
-RECIPES = ("mxfp8", "mxfp8_hybrid")
+RECIPES = ("mxfp8", "mxfp8_hybrid", "mxfp8_2d", "deepseek_fp8", "fp8_block_pow2")
 
 
 def get_recipe(name: str = "mxfp8", backend: str | None = None):
-    """``jaxmx.recipes.MXFP8`` / ``MXFP8_HYBRID`` by demo name, on ``backend`` if given."""
+    """The ``jaxmx.recipes`` preset of a demo name (``"mxfp8"`` -> ``MXFP8``), on ``backend`` if
+    given."""
     from jaxmx import recipes
 
     if name not in RECIPES:

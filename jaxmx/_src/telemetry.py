@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmx._src.diagnostics import block_stats
+from jaxmx._src.formats import get_format
 
 
 class LegStats(NamedTuple):
@@ -140,8 +141,9 @@ class Telemetry:
         return next(c for c in candidates if c not in self.forward)
 
 
-_active: list[Telemetry] = []
-_names: list[str] = []
+_active: list[Telemetry] = []  # the open telemetry blocks, innermost last
+_names: list[str] = []  # the open named() blocks
+_discovering: list[list[str]] = []  # gemm_taps: where the names of the traced GEMMs go
 
 
 @contextlib.contextmanager
@@ -197,9 +199,6 @@ def gemm_taps(fn: Callable, *args, **kwargs) -> dict[str, GradientLegs]:
     return {name: GradientLegs(zero, zero) for name in names}
 
 
-_discovering: list[list[str]] = []
-
-
 def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
     """``y`` (the result of ``dot_general(lhs, rhs)``), recorded in the active :func:`telemetry`
     block if there is one. ``canonical(lhs, rhs)`` gives the ``[B, M, K]`` and ``[B, N, K]``
@@ -212,6 +211,11 @@ def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
             "jaxmx.diagnostics.telemetry: a GEMM ran inside a transformation (jax.checkpoint, "
             "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave it; "
             "enter the block inside that transformation, or call the GEMM outside it"
+        )
+    if not all(get_format(f).is_mx for f in (recipe.fwd, recipe.grad)):
+        raise ValueError(
+            f"jaxmx.diagnostics.telemetry covers MX recipes; this GEMM's formats are "
+            f"{recipe.fwd} / {recipe.grad}"
         )
     name = record._unique("/".join(_names) or "dot_general")
     if _discovering:

@@ -229,3 +229,6 @@ def test_misuse_is_refused_with_a_clear_error():
 
     with pytest.raises(ValueError, match="inside a transformation"):
         jax.grad(remat_inside)(params[0], x)
+
+    with diagnostics.telemetry(), pytest.raises(ValueError, match="covers MX recipes"):
+        jaxmx.dot_general(x, params[0], DIMS, recipe=jaxmx.recipes.DEEPSEEK_FP8)

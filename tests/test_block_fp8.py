@@ -71,6 +71,7 @@ def adversarial(shape=(300, 260), seed=0) -> np.ndarray:
     x[256:, 128:256] = 0.0  # ... and a zero 128x128 tile (rows 256..299, padding below)
     x[200, 140], x[210, 30] = np.nan, np.inf
     x[290:300, 256:] = 1e-37  # a block below 448 * 2^-126: its fp32 scale is clamped
+    x[296:300, :128] = rng.standard_normal((4, 128)) * np.float32(2.0**-135)  # subnormals
     return x
 
 
@@ -88,6 +89,7 @@ def test_quantize_equals_the_definition(fmt, mode, layout, dtype):
     if dtype == jnp.float16:
         x = np.where(np.abs(x) > 6e4, np.sign(x) * 6e4, x)  # float16's range
         x[290:300, 256:] = 1e-4
+        x[296:300, :128] = 1e-6
     x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # the values the quantizer sees
     q = jaxmx.quantize(jnp.asarray(x, dtype), fmt, axis=axis, scale_mode=mode, tile=tile)
     codes, scales = reference_block_fp8(x, fmt, mode, axis, tile)

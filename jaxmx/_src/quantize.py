@@ -314,8 +314,11 @@ def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, key):
     else:  # pow2: the rceil exponent, k >= -127, exact
         byte = bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
         scale = bits.ldexp_exact(jnp.ones_like(amax), byte - bits.EXPONENT_BIAS)
-    nonfinite = (amax_bits >> bits.MANTISSA_BITS) == 0xFF
-    scale = jnp.where(nonfinite, jnp.nan, jnp.where(amax_bits == 0, 1.0, scale))
+    exponent = amax_bits >> bits.MANTISSA_BITS
+    # zero tested field by field: XLA:CPU may turn `bits == 0` into a float compare, which
+    # treats a subnormal amax as zero
+    all_zero = (exponent == 0) & ((amax_bits & bits.MANTISSA_MASK) == 0)
+    scale = jnp.where(exponent == 0xFF, jnp.nan, jnp.where(all_zero, 1.0, scale))
     # x / s as the quotient of normal floats: both scaled by 2^64 where s is tiny, so no
     # subnormal operand meets a flushing division (the quotient is unchanged); the divisor is
     # materialised behind a barrier, or XLA divides by multiplying with a rounded reciprocal

@@ -1,6 +1,6 @@
 // CPU handlers of jaxmx_mx_matmul, jaxmx_fp8_matmul and jaxmx_block_fp8_matmul: the GEMMs
-// computed from the same operands the cuBLASLt handler receives (fp8 codes; swizzled E8M0, per-tensor
-// or block float32 scales), in plain C++.
+// computed from the same operands the cuBLASLt handler receives (fp8 codes; swizzled E8M0,
+// per-tensor or block float32 scales), in plain C++.
 //
 // Block FP8 numerics are those of the emulation: each code times its block's (or tile's) float32
 // scale, rounded to float32, then a float32 dot accumulated along K in order.

@@ -209,8 +209,9 @@ LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const L
                  "cuBLASLt " + Version(cublaslt_version_) +
                      " is loaded; block-FP8 scaling needs CUDA/cuBLASLt >= 12.9");
   if (g.k % kFp8Block != 0)
-    return Error(LtCode::kInvalidArgument,
-                 "K must be a multiple of 128 for block-FP8 scaling, got K = " + std::to_string(g.k));
+    return Error(
+        LtCode::kInvalidArgument,
+        "K must be a multiple of 128 for block-FP8 scaling, got K = " + std::to_string(g.k));
   if (g.lhs_tiled && g.rhs_tiled)
     return Error(LtCode::kUnimplemented,
                  "cuBLASLt has no 128x128 x 128x128 block-FP8 matmul (it takes 1x128 x 1x128, "
@@ -221,8 +222,9 @@ LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const L
   for (int s = 0; s < 2; ++s) {
     if (!tiled[s] && rows[s] % 4 != 0)
       return Error(LtCode::kInvalidArgument,
-                   std::string(names[s]) + " must be a multiple of 4 with 1x128 scales (the "
-                   "[K / 128, rows] float32 scale matrix keeps 16-byte aligned columns), got " +
+                   std::string(names[s]) +
+                       " must be a multiple of 4 with 1x128 scales (the "
+                       "[K / 128, rows] float32 scale matrix keeps 16-byte aligned columns), got " +
                        std::to_string(rows[s]));
   }
   return {};
@@ -331,10 +333,10 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
   if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0) {
     return Error(
         LtCode::kUnimplemented,
-        "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) +
-            " lhs " + TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " +
-            std::to_string(g.k) + "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) +
-            ", " + std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
+        "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) + " lhs " +
+            TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " + std::to_string(g.k) +
+            "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) + ", " +
+            std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
             std::to_string(key.batch) + ", on compute capability " + Capability(device.capability) +
             " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
             std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +

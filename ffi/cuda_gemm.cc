@@ -270,8 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxBlockFp8MatmulCudaInitialize,
                               JAXMX_CUDA_BINDING(ExecutionStage::kInitialize)
                                   .Attr<bool>("lhs_tiled")
                                   .Attr<bool>("rhs_tiled"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxBlockFp8MatmulCuda, jaxmx::BlockFp8MatmulCuda<Stage::kExecute>,
-                              JAXMX_CUDA_BINDING(ExecutionStage::kExecute)
-                                  .Attr<bool>("lhs_tiled")
-                                  .Attr<bool>("rhs_tiled"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxmxBlockFp8MatmulCuda, jaxmx::BlockFp8MatmulCuda<Stage::kExecute>,
+    JAXMX_CUDA_BINDING(ExecutionStage::kExecute).Attr<bool>("lhs_tiled").Attr<bool>("rhs_tiled"),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -35,8 +35,9 @@ inline constexpr int64_t SwizzledOffset(int64_t r, int64_t c, int64_t cols_padde
 // Block FP8 (cuBLASLt VEC128_32F / BLK128x128_32F): one float32 scale per 128 elements along K
 // (1x128 blocks) or per 128x128 tile of an operand [rows, K], K a multiple of 128. The scale
 // tensor of one operand is a row-major [outer, inner] float32 matrix:
-//   1x128 blocks:  [K / 128, rows], the rows contiguous (scale of row r, K-block c at c * rows + r);
-//   128x128 tiles: [ceil(rows / 128), roundup(K / 128, 4)], the K-blocks contiguous, zero-padded.
+//   1x128 blocks:  [K / 128, rows], the rows contiguous (scale of row r, K-block c at c * rows +
+//   r); 128x128 tiles: [ceil(rows / 128), roundup(K / 128, 4)], the K-blocks contiguous,
+//   zero-padded.
 inline constexpr int64_t kFp8Block = 128;
 
 struct BlockScaleShape {

@@ -75,8 +75,8 @@ ffi::ErrorOr<GemmProblem> CheckBlockF32Scales(const char* target, GemmProblem p,
                                               const ffi::AnyBuffer& lhs_scale,
                                               const ffi::AnyBuffer& rhs_scale, ScaleTiles tiles) {
   if (p.k % kFp8Block != 0)
-    return Invalid(target, "K must be a multiple of 128 for block FP8, got K = " +
-                               std::to_string(p.k));
+    return Invalid(target,
+                   "K must be a multiple of 128 for block FP8, got K = " + std::to_string(p.k));
   if (tiles.lhs && tiles.rhs)
     return Invalid(target,
                    "lhs and rhs cannot both have 128x128 tiles: cuBLASLt's block-FP8 GEMM takes "

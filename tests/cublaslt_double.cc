@@ -22,9 +22,10 @@
 //   compute capability 10.0 or cuBLASLt 12.8, block FP8 off compute capability 9.x or below
 //   cuBLASLt 12.9, FP8 below 8.9, K not a multiple of 32 (VEC32), 128 (block FP8) or 16 (FP8), a
 //   1x128 scale tensor whose rows are not a multiple of 4 (16 bytes) or a scale tensor not
-//   16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A transposed, B not) on architectures that only have TN kernels
-//   (compute capability 8.9, 9.x and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED);
-//   inconsistent shapes or batch counts (CUBLAS_STATUS_INVALID_VALUE).
+//   16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A
+//   transposed, B not) on architectures that only have TN kernels (compute capability 8.9, 9.x
+//   and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED); inconsistent shapes or batch counts
+//   (CUBLAS_STATUS_INVALID_VALUE).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -200,7 +201,7 @@ int64_t TiledBytes(int64_t rows, int64_t blocks) {
 struct Problem {  // op(A) [m, k], op(B) [k, n], D [m, n]
   int64_t m, n, k, batch;
   bool vec32;
-  bool block_fp8;      // VEC128_32F / BLK128x128_32F
+  bool block_fp8;         // VEC128_32F / BLK128x128_32F
   bool a_tiles, b_tiles;  // block FP8: BLK128x128_32F for A / B
 };
 

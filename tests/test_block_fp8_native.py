@@ -56,9 +56,7 @@ def operand(key, rows, k, fmt, tile=None, spread=6, batch=()):
     return quantize(x, fmt, tile=tile)
 
 
-@pytest.mark.parametrize(
-    "m,n,k", [(1, 16, 128), (200, 136, 384), (128, 256, 300), (37, 129, 256)]
-)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 128), (200, 136, 384), (128, 256, 300), (37, 129, 256)])
 @pytest.mark.parametrize("tiles", [(None, None), (None, TILE), (TILE, None), (TILE, TILE)])
 def test_block_fp8_matmul_matches_numpy(m, n, k, tiles):
     key = jax.random.split(jax.random.key(m * n + k), 2)
@@ -114,8 +112,8 @@ def test_batch_dims_and_vmap_agree_with_single_calls():
     key = jax.random.split(jax.random.key(5), 2)
     qa = operand(key[0], 40, 256, E4, batch=(3,))
     qb = operand(key[1], 128, 256, E4, TILE, batch=(3,))
-    mm = lambda p, q: ffi.block_fp8_matmul(p, q, jnp.float32)  # noqa: E731
-    part = lambda q, i: jax.tree.map(lambda t: t[i], q)  # noqa: E731
+    mm = lambda p, q: ffi.block_fp8_matmul(p, q, jnp.float32)
+    part = lambda q, i: jax.tree.map(lambda t: t[i], q)
     single = np.stack([mm(part(qa, i), part(qb, i)) for i in range(3)])
     np.testing.assert_allclose(mm(qa, qb), single, rtol=1e-6)
     np.testing.assert_allclose(jax.jit(jax.vmap(mm))(qa, qb), single, rtol=1e-6)

@@ -463,8 +463,9 @@ VEC128, BLK128 = 4, 5  # cublasLtMatmulMatrixScale_t values (cublasLt.h)
 
 
 def block_scales(rng, batch, rows, k, tiled, exponents=(-6, 7)):
-    """Compact float32 scales [B, rows or ceil(rows/128), K/128] (varied mantissas and exponents)
-    and the cuBLASLt buffer: 1x128 [B, K/128, rows]; tiles [B, ceil(rows/128), roundup(K/128, 4)]."""
+    """Compact float32 scales [B, rows or ceil(rows/128), K/128] (mantissas and exponents vary)
+    and the cuBLASLt buffer: 1x128 [B, K/128, rows]; tiles [B, ceil(rows/128),
+    roundup(K/128, 4)]."""
     outer = -(-rows // 128) if tiled else rows
     compact = rng.uniform(0.5, 2.0, (batch, outer, k // 128)) * 2.0 ** rng.integers(
         *exponents, (batch, outer, 1)

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmx
-from jaxmx import ffi
+from jaxmx import _ffi, ffi
 
 E4, E5 = "fp8_e4m3_block", "fp8_e5m2_block"
 OUT_EPS = {jnp.float32: 0.0, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
@@ -220,3 +220,17 @@ def test_cpp_side_errors():
     for args, attrs, msg in cases:
         with pytest.raises(Exception, match=f"jaxmx_block_fp8_matmul: .*{msg}"):
             raw_call((4, 4), *args, **attrs)
+
+
+@pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")
+def test_the_cuda_lowering_pads_1x128_rows_to_16_and_lays_out_the_scales():
+    a = operand(jax.random.key(9), 6, 256, E4)  # 1x128: rows padded to 16, scales [2, 16]
+    b = operand(jax.random.key(10), 256, 256, E4, TILE)  # whole tiles: scales [2, 4]
+    f = jax.jit(lambda a, b: ffi.block_fp8_matmul(a, b, jnp.float32))
+    text = f.trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "jaxmx_block_fp8_matmul" in line]
+    assert call, text
+    assert "tensor<16x256xf8E4M3FN>, tensor<256x256xf8E4M3FN>" in call[0]
+    assert "tensor<2x16xf32>, tensor<2x4xf32>" in call[0]
+    assert "tensor<16x256xf32>" in call[0]  # sliced back to [6, 256] after the call
+    assert f(a, b).shape == (6, 256)

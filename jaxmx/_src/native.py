@@ -188,9 +188,9 @@ def block_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Arra
     Returns:
         [..., M, N] in ``out_dtype``, accumulated in float32. cuBLASLt (compute capability 9.x,
         CUDA >= 12.9) takes 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128 scales: a tiled
-        operand is passed as 128x128 tiles where its rows are whole tiles and the other operand
-        is not passed so already, else (equivalently) as 1x128 blocks, each tile's scale
-        repeated over its rows. Works under ``jit`` and ``vmap``.
+        operand goes as 128x128 tiles when its rows are whole tiles (if both do, only ``b``),
+        otherwise as 1x128 blocks with each tile's scale repeated over its rows (the same
+        numbers). Works under ``jit``, ``vmap`` and SPMD partitioning.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -253,8 +253,9 @@ def _block_per_shard(out_dtype, tiles: tuple[bool, bool] = (False, False)):
         b_tiled = tiles[1] and b_data.shape[-2] % BLOCK_TILE == 0
 
         def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+            n = b_data.shape[-2]
             a_data, a_scale = _block_operand(a_data, a_scale, a_tiled, n_multiple)
-            b_data, b_scale, n = _block_operand(b_data, b_scale, b_tiled, n_multiple, keep=True)
+            b_data, b_scale = _block_operand(b_data, b_scale, b_tiled, n_multiple)
             return (a_data, b_data, a_scale, b_scale), n
 
         return _custom_call(
@@ -272,23 +273,18 @@ def _block_per_shard(out_dtype, tiles: tuple[bool, bool] = (False, False)):
     return impl
 
 
-def _block_operand(data, scale, tiled: bool, row_multiple: int, keep: bool = False):
+def _block_operand(data, scale, tiled: bool, row_multiple: int):
     """Codes and float32 scales in cuBLASLt's block-FP8 layouts (ffi/layout.h).
 
     1x128 blocks: rows padded with zeros to ``row_multiple``, scales ``[..., K/128, rows]``
     (rows contiguous). 128x128 tiles: scales ``[..., rows/128, roundup(K/128, 4)]``, one row per
-    tile (the per-row scales are constant over each tile), zero-padded. With ``keep``, also the
-    rows before padding.
+    tile (the per-row scales are constant over each tile), zero-padded.
     """
-    rows = data.shape[-2]
     if tiled:
-        tile_scale = scale[..., ::BLOCK_TILE, :]
         pad = [(0, 0)] * (scale.ndim - 1) + [(0, -scale.shape[-1] % 4)]
-        out = data, jnp.pad(tile_scale, pad)
-    else:
-        pad = [(0, 0)] * (data.ndim - 2) + [(0, -rows % row_multiple), (0, 0)]
-        out = jnp.pad(data, pad), jnp.pad(scale, pad).swapaxes(-1, -2)
-    return (*out, rows) if keep else out
+        return data, jnp.pad(scale[..., ::BLOCK_TILE, :], pad)
+    pad = [(0, 0)] * (data.ndim - 2) + [(0, -data.shape[-2] % row_multiple), (0, 0)]
+    return jnp.pad(data, pad), jnp.pad(scale, pad).swapaxes(-1, -2)
 
 
 # --- per-tensor FP8 GEMM --------------------------------------------------------------------

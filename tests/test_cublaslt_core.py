@@ -46,22 +46,33 @@ class MatmulRecord(ctypes.Structure):
     ]
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The core + the double as a shared library, built with the extension's CUDA headers."""
+def build(directory, core_includes=()) -> ctypes.CDLL:
+    """The core + the double as a shared library in `directory`, built with the extension's CUDA
+    headers; `core_includes` go first on the core's include path (the double never sees them)."""
     if not _ffi.has_cuda:
         pytest.skip("extension built without the cuBLASLt handler (CI builds it)")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     assert compiler, "no C++ compiler (g++ / c++ / $CXX) to build the cuBLASLt test double"
     includes = _ffi.build_info()["cuda_include_dirs"].split(os.pathsep)
-    so = tmp_path_factory.mktemp("cublaslt_double") / "libcublaslt_double.so"
-    cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall"]
-    cmd += ["-I", os.path.join(ROOT, "ffi"), *(f"-isystem{d}" for d in includes)]
-    cmd += [os.path.join(ROOT, "ffi", "cublaslt_gemm.cc")]
-    cmd += [os.path.join(ROOT, "tests", "cublaslt_double.cc"), "-o", str(so)]
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    assert built.returncode == 0, f"{' '.join(cmd)}\n{built.stderr}"
-    lib = ctypes.CDLL(str(so))
+    flags = [compiler, "-std=c++17", "-O2", "-fPIC", "-Wall", "-I", os.path.join(ROOT, "ffi")]
+    flags += [f"-isystem{d}" for d in includes]
+    objects = []
+    for source, extra in (
+        ("ffi/cublaslt_gemm.cc", core_includes),
+        ("tests/cublaslt_double.cc", ()),
+    ):
+        obj = os.path.join(directory, os.path.basename(source) + ".o")
+        cmd = [*flags[:1], *(f"-I{d}" for d in extra), *flags[1:], "-c"]
+        cmd += [os.path.join(ROOT, source), "-o", obj]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        assert built.returncode == 0, f"{' '.join(cmd)}\n{built.stderr}"
+        objects.append(obj)
+    so = os.path.join(directory, "libcublaslt_double.so")
+    linked = subprocess.run(
+        [compiler, "-shared", *objects, "-o", so], capture_output=True, text=True
+    )
+    assert linked.returncode == 0, linked.stderr
+    lib = ctypes.CDLL(so)
     p, i, i64, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
     lib.double_reset.argtypes = [i, ctypes.POINTER(i), i]
     lib.double_refusal.restype = s
@@ -74,6 +85,11 @@ def lib(tmp_path_factory):
     lib.double_plain_matmul.argtypes = [i64, i64, i64, s, s, i, i, i, ctypes.c_uint64]
     lib.double_plain_matmul.restype = s
     return lib
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp("cublaslt_double")))
 
 
 def plain_matmul(lib, m, n, k, types, trans=(1, 0), mx=True, workspace_offset=0, scaling=None):
@@ -561,3 +577,31 @@ def test_block_fp8_shape_rules(lib, machine):
     assert plain_matmul(lib, 32, 32, 192, (e4, e4), scaling=2) == "CUBLAS_STATUS_NOT_SUPPORTED"
     assert plain_matmul(lib, 32, 30, 256, (e4, e4), scaling=2) == "CUBLAS_STATUS_NOT_SUPPORTED"
     assert plain_matmul(lib, 32, 30, 256, (e4, e4), scaling=4) == "CUBLAS_STATUS_SUCCESS"
+
+
+def test_headers_without_the_block_fp8_modes_build_a_core_that_refuses_block_fp8(
+    tmp_path_factory,
+):
+    """cuBLASLt headers older than 12.9: the core must compile without the two enum names (any
+    use of them is made an undeclared identifier here) and refuse block FP8 at run time."""
+    shim = tmp_path_factory.mktemp("cublaslt_12_8_headers")
+    (shim / "cublasLt.h").write_text(
+        "#include_next <cublasLt.h>\n"
+        "#undef CUBLAS_VERSION\n"
+        "#define CUBLAS_VERSION 120800\n"
+        "#define CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F not_in_cublaslt_12_8_headers\n"
+        "#define CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F not_in_cublaslt_12_8_headers\n"
+    )
+    old = build(str(shim), core_includes=(str(shim),))
+    gpu = Machine(old, (90,), 130100)
+    try:
+        e4 = FP8["float8_e4m3fn"]
+        a, b = placed(np.zeros((1, 16, 256), e4)), placed(np.zeros((1, 16, 256), e4))
+        s = placed(np.ones((64,), np.float32))
+        code, message = gpu.gemm(a, b, s, s, placed(np.zeros((1, 16, 16), np.float32)),
+                                 mx=False, tiles="rhs")  # fmt: skip
+        assert code == "unimplemented" and "headers older than 12.9" in message
+        d = placed(np.zeros((1, 16, 16), np.float32))
+        assert gpu.gemm(a, b, s, s, d, mx=False) == ("ok", "")  # per-tensor FP8 still runs
+    finally:
+        gpu.close()

@@ -1,5 +1,9 @@
-// CPU handlers of jaxmx_mx_matmul and jaxmx_fp8_matmul: the MX GEMM computed from the same
-// operands the cuBLASLt handler receives (fp8 codes, swizzled E8M0 scales), in plain C++.
+// CPU handlers of jaxmx_mx_matmul, jaxmx_fp8_matmul and jaxmx_block_fp8_matmul: the GEMMs
+// computed from the same operands the cuBLASLt handler receives (fp8 codes; swizzled E8M0,
+// per-tensor or block float32 scales), in plain C++.
+//
+// Block FP8 numerics are those of the emulation: each code times its block's (or tile's) float32
+// scale, rounded to float32, then a float32 dot accumulated along K in order.
 //
 // Numerics: every fp8 code and E8M0 scale is decoded exactly. Within a 32-element block the
 // products are summed in float64: exact for E4M3 x E4M3 blocks (a product has at most 8
@@ -170,6 +174,22 @@ void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
   }
 }
 
+// Calls fn(store) with store(i, v) writing float v to element `offset + i` of the output, rounded
+// to its type (bfloat16, float16 or float32: CheckGemm admits nothing else).
+template <typename Fn>
+void WithStore(ffi::DataType type, void* out, int64_t offset, Fn fn) {
+  if (type == ffi::DataType::F32) {
+    float* dst = static_cast<float*>(out) + offset;
+    fn([dst](int64_t i, float v) { dst[i] = v; });
+  } else if (type == ffi::DataType::BF16) {
+    uint16_t* dst = static_cast<uint16_t*>(out) + offset;
+    fn([dst](int64_t i, float v) { dst[i] = FloatToBf16(v); });
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(out) + offset;
+    fn([dst](int64_t i, float v) { dst[i] = FloatToF16(v); });
+  }
+}
+
 ffi::Error RunGemm(const char* target, ScaleKind kind, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                    ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                    ffi::Result<ffi::AnyBuffer> out) {
@@ -191,23 +211,51 @@ ffi::Error RunGemm(const char* target, ScaleKind kind, ffi::AnyBuffer lhs, ffi::
       const float sb = static_cast<const float*>(rhs_scale.untyped_data())[g];
       op.tensor_scale = static_cast<double>(sa) * static_cast<double>(sb);
     }
-    switch (p.out_type) {
-      case ffi::DataType::F32: {
-        float* dst = static_cast<float*>(o) + g * mn;
-        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = v; });
-        break;
-      }
-      case ffi::DataType::BF16: {
-        uint16_t* dst = static_cast<uint16_t*>(o) + g * mn;
-        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = FloatToBf16(v); });
-        break;
-      }
-      default: {  // F16 (CheckGemm admits nothing else)
-        uint16_t* dst = static_cast<uint16_t*>(o) + g * mn;
-        GemmOne(p, op, [dst](int64_t i, float v) { dst[i] = FloatToF16(v); });
-        break;
-      }
+    WithStore(p.out_type, o, g * mn, [&](auto store) { GemmOne(p, op, store); });
+  }
+  return ffi::Error::Success();
+}
+
+// Block FP8: out[g] = dequantize(lhs[g]) . dequantize(rhs[g])^T, every value code * scale in
+// float32, the dot accumulated in float32 along K.
+void DequantizeRows(const uint8_t* codes, const float* scales, int64_t rows, int64_t k, bool tiled,
+                    ffi::DataType type, std::vector<float>& out) {
+  const Table& table = DecodeTable(type);
+  out.resize(rows * k);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < k; ++c) {
+      const float s = scales[Fp8BlockScaleOffset(r, c / kFp8Block, rows, k, tiled)];
+      out[r * k + c] = static_cast<float>(table[codes[r * k + c]]) * s;
     }
+}
+
+ffi::Error BlockFp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                                 ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> /*workspace*/, bool lhs_tiled,
+                                 bool rhs_tiled) {
+  auto checked = CheckGemm("jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, lhs, rhs, lhs_scale,
+                           rhs_scale, *out, ScaleTiles{lhs_tiled, rhs_tiled});
+  if (checked.has_error()) return checked.error();
+  const GemmProblem& p = *checked;
+  IeeeSubnormals ieee;
+  const auto* a = static_cast<const uint8_t*>(lhs.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(rhs.untyped_data());
+  const auto* sa = static_cast<const float*>(lhs_scale.untyped_data());
+  const auto* sb = static_cast<const float*>(rhs_scale.untyped_data());
+  std::vector<float> x, w;
+  for (int64_t g = 0; g < p.batch; ++g) {
+    DequantizeRows(a + g * p.m * p.k, sa + g * p.lhs_scale_stride, p.m, p.k, p.lhs_tiled,
+                   p.lhs_type, x);
+    DequantizeRows(b + g * p.n * p.k, sb + g * p.rhs_scale_stride, p.n, p.k, p.rhs_tiled,
+                   p.rhs_type, w);
+    WithStore(p.out_type, out->untyped_data(), g * p.m * p.n, [&](auto store) {
+      for (int64_t i = 0; i < p.m; ++i)
+        for (int64_t j = 0; j < p.n; ++j) {
+          float acc = 0.0f;
+          for (int64_t c = 0; c < p.k; ++c) acc += x[i * p.k + c] * w[j * p.k + c];
+          store(i * p.n + j, acc);
+        }
+    });
   }
   return ffi::Error::Success();
 }
@@ -253,3 +301,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCpu, jaxmx::Fp8MatmulCpuImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
                                   .Ret<xla::ffi::AnyBuffer>()  // workspace (unused here)
                                   .Attr<bool>("fast_accum"));  // cuBLASLt only
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxBlockFp8MatmulCpu, jaxmx::BlockFp8MatmulCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scales f32 (layout.h)
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scales f32 (layout.h)
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace (unused here)
+                                  .Attr<bool>("lhs_tiled")     // lhs scales per 128x128 tile
+                                  .Attr<bool>("rhs_tiled"));   // rhs scales per 128x128 tile

@@ -5,6 +5,12 @@
 
 #include "layout.h"
 
+// The block-FP8 scale modes arrived in the cuBLASLt 12.9 headers; with older headers the core
+// refuses block-FP8 calls instead of failing to compile.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 120900
+#define JAXMX_HAS_BLOCK_FP8_SCALING 1
+#endif
+
 namespace jaxmx {
 namespace {
 
@@ -27,6 +33,23 @@ const char* TypeName(cudaDataType_t t) {
 
 int64_t TypeBytes(cudaDataType_t t) {
   return t == CUDA_R_32F ? 4 : (t == CUDA_R_16BF || t == CUDA_R_16F) ? 2 : 1;
+}
+
+// Bytes between the scales of consecutive batch elements of one operand (kTensorF32, kBlockF32).
+int64_t ScaleStride(const LtGemm& g, int64_t rows, bool tiled) {
+  if (g.scaling == LtScaling::kTensorF32) return sizeof(float);
+  return Fp8BlockScaleShape(rows, g.k, tiled).elements() * static_cast<int64_t>(sizeof(float));
+}
+
+const char* ScalingName(LtScaling s) {
+  switch (s) {
+    case LtScaling::kBlockVec32E8M0:
+      return "MX block-scaled";
+    case LtScaling::kBlockF32:
+      return "block-FP8 (1x128 / 128x128 float32 scales)";
+    default:
+      return "per-tensor FP8";
+  }
 }
 
 std::string Capability(int cc) { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); }
@@ -67,7 +90,8 @@ uint32_t Alignment(const void* base, int64_t stride_bytes, int64_t batch) {
 }
 
 // Batch elements one cublasLtMatmul covers: all of them for MX (strided batch: each operand,
-// the output and each scale tensor advance by one element's size), one for per-tensor scales.
+// the output and each scale tensor advance by one element's size), one for per-tensor and block
+// FP8 scales (each call gets its element's scale pointers).
 int64_t StridedBatch(const LtGemm& g) {
   return g.scaling == LtScaling::kBlockVec32E8M0 ? g.batch : 1;
 }
@@ -76,9 +100,10 @@ int64_t StridedBatch(const LtGemm& g) {
 
 bool LtContext::PlanKey::operator<(const PlanKey& o) const {
   return std::tie(device, scaling, lhs_type, rhs_type, out_type, batch, m, n, k, align_lhs,
-                  align_rhs, align_out, workspace, fast_accum) <
+                  align_rhs, align_out, workspace, fast_accum, lhs_tiled, rhs_tiled) <
          std::tie(o.device, o.scaling, o.lhs_type, o.rhs_type, o.out_type, o.batch, o.m, o.n, o.k,
-                  o.align_lhs, o.align_rhs, o.align_out, o.workspace, o.fast_accum);
+                  o.align_lhs, o.align_rhs, o.align_out, o.workspace, o.fast_accum, o.lhs_tiled,
+                  o.rhs_tiled);
 }
 
 LtContext::LtContext(const CublasLtApi& api)
@@ -152,6 +177,8 @@ LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) co
       return Error(
           LtCode::kInvalidArgument,
           "K must be a multiple of 32 for MX block scaling, got K = " + std::to_string(g.k));
+  } else if (g.scaling == LtScaling::kBlockF32) {
+    if (LtStatus s = CheckBlockF32(on, device.capability, g); !s.ok()) return s;
   } else {
     if (device.capability < 89)
       return Error(LtCode::kFailedPrecondition,
@@ -161,6 +188,47 @@ LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) co
                    "cuBLASLt FP8 matmul needs K % 16 == 0, got K = " + std::to_string(g.k));
   }
   return {};
+}
+
+// Block FP8: compute capability 9.x, cuBLASLt >= 12.9 (and headers that know the modes),
+// K % 128 == 0, not 128x128 x 128x128, and a 1x128 operand's rows (the leading dimension of its
+// [K / 128, rows] scale matrix) a multiple of 4, so that every scale column is 16-byte aligned.
+LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const LtGemm& g) const {
+#ifndef JAXMX_HAS_BLOCK_FP8_SCALING
+  return Error(LtCode::kUnimplemented,
+               "the extension was built with cuBLASLt headers older than 12.9, which lack the "
+               "block-FP8 scale modes (VEC128_32F, BLK128x128_32F); rebuild with CUDA >= 12.9");
+#else
+  if (capability / 10 != 9)
+    return Error(LtCode::kFailedPrecondition,
+                 on + "; block-FP8 scaling (CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / "
+                      "BLK128x128_32F) runs on compute capability 9.x (Hopper) with CUDA >= 12.9 "
+                      "(use the emulation backend on this device)");
+  if (cublaslt_version_ < 120900)
+    return Error(LtCode::kFailedPrecondition,
+                 "cuBLASLt " + Version(cublaslt_version_) +
+                     " is loaded; block-FP8 scaling needs CUDA/cuBLASLt >= 12.9");
+  if (g.k % kFp8Block != 0)
+    return Error(
+        LtCode::kInvalidArgument,
+        "K must be a multiple of 128 for block-FP8 scaling, got K = " + std::to_string(g.k));
+  if (g.lhs_tiled && g.rhs_tiled)
+    return Error(LtCode::kUnimplemented,
+                 "cuBLASLt has no 128x128 x 128x128 block-FP8 matmul (it takes 1x128 x 1x128, "
+                 "1x128 x 128x128 and 128x128 x 1x128 scales)");
+  const int64_t rows[2] = {g.m, g.n};
+  const bool tiled[2] = {g.lhs_tiled, g.rhs_tiled};
+  const char* names[2] = {"lhs rows M", "rhs rows N"};
+  for (int s = 0; s < 2; ++s) {
+    if (!tiled[s] && rows[s] % 4 != 0)
+      return Error(LtCode::kInvalidArgument,
+                   std::string(names[s]) +
+                       " must be a multiple of 4 with 1x128 scales (the "
+                       "[K / 128, rows] float32 scale matrix keeps 16-byte aligned columns), got " +
+                       std::to_string(rows[s]));
+  }
+  return {};
+#endif
 }
 
 LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtGemm& g,
@@ -191,6 +259,17 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
         !set_desc(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, dummy_stride,
                   "setting ALPHA_VECTOR_BATCH_STRIDE"))
       return status;
+  } else if (g.scaling == LtScaling::kBlockF32) {
+#ifdef JAXMX_HAS_BLOCK_FP8_SCALING
+    auto mode = [](bool tiled) {
+      return tiled ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                   : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    };
+    const cublasLtMatmulMatrixScale_t a_mode = mode(g.rhs_tiled), b_mode = mode(g.lhs_tiled);
+    if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode, "setting A_SCALE_MODE") ||
+        !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode, "setting B_SCALE_MODE"))
+      return status;
+#endif
   } else if (g.fast_accum) {
     const int8_t on = 1;
     if (!set_desc(CUBLASLT_MATMUL_DESC_FAST_ACCUM, on, "setting FAST_ACCUM")) return status;
@@ -252,13 +331,12 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
   api_.cublasLtMatmulPreferenceDestroy(pref);
   if (!status.ok()) return status;
   if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0) {
-    const bool mx = g.scaling == LtScaling::kBlockVec32E8M0;
     return Error(
         LtCode::kUnimplemented,
-        "cuBLASLt has no algorithm for " + std::string(mx ? "MX block-scaled" : "per-tensor FP8") +
-            " lhs " + TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " +
-            std::to_string(g.k) + "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) +
-            ", " + std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
+        "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) + " lhs " +
+            TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " + std::to_string(g.k) +
+            "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) + ", " +
+            std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
             std::to_string(key.batch) + ", on compute capability " + Capability(device.capability) +
             " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
             std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +
@@ -286,7 +364,9 @@ LtStatus LtContext::GetPlan(int ordinal, const Device& device, const LtGemm& g, 
                     Alignment(g.rhs, g.n * g.k, g.batch),
                     Alignment(g.out, out_bytes, g.batch),
                     workspace,
-                    g.scaling == LtScaling::kTensorF32 && g.fast_accum};
+                    g.scaling == LtScaling::kTensorF32 && g.fast_accum,
+                    g.scaling == LtScaling::kBlockF32 && g.lhs_tiled,
+                    g.scaling == LtScaling::kBlockF32 && g.rhs_tiled};
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -339,14 +419,17 @@ LtStatus LtContext::Enqueue(const Device& device, const LtGemm& g, Plan& plan, v
   const float alpha = 1.0f, beta = 0.0f;
   const auto* a = static_cast<const uint8_t*>(g.rhs);
   const auto* b = static_cast<const uint8_t*>(g.lhs);
-  const auto* a_scale = static_cast<const float*>(g.rhs_scale);
-  const auto* b_scale = static_cast<const float*>(g.lhs_scale);
+  const auto* a_scale = static_cast<const uint8_t*>(g.rhs_scale);
+  const auto* b_scale = static_cast<const uint8_t*>(g.lhs_scale);
+  const bool per_call_scales = g.scaling != LtScaling::kBlockVec32E8M0;
+  const int64_t a_scale_stride = per_call_scales ? ScaleStride(g, g.n, g.rhs_tiled) : 0;
+  const int64_t b_scale_stride = per_call_scales ? ScaleStride(g, g.m, g.lhs_tiled) : 0;
   auto* d = static_cast<uint8_t*>(g.out);
   const int64_t calls = g.batch / StridedBatch(g), d_bytes = g.m * g.n * TypeBytes(g.out_type);
   std::lock_guard<std::mutex> lock(plan.mu);
-  for (int64_t i = 0; i < calls; ++i) {  // per-tensor scales: one call per batch element
-    const void* sa = g.scaling == LtScaling::kTensorF32 ? a_scale + i : g.rhs_scale;
-    const void* sb = g.scaling == LtScaling::kTensorF32 ? b_scale + i : g.lhs_scale;
+  for (int64_t i = 0; i < calls; ++i) {  // per-tensor, block FP8: one call per batch element
+    const void* sa = a_scale + i * a_scale_stride;
+    const void* sb = b_scale + i * b_scale_stride;
     cublasStatus_t s = api_.cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa);
     if (s == CUBLAS_STATUS_SUCCESS)

@@ -24,11 +24,16 @@ namespace jaxmx {
 enum class LtScaling {
   kBlockVec32E8M0,  // CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0, scales swizzled (layout.h)
   kTensorF32,       // CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F, one float32 per operand
+  // Block FP8: CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F (1x128 blocks) or, for the operand marked
+  // tiled, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F (128x128 tiles), float32 scale matrices in
+  // the layouts of layout.h (Fp8BlockScaleShape). CUDA 12.9+, compute capability 9.x.
+  kBlockF32,
 };
 
 // `batch` independent GEMMs out[b] [m, n] = lhs[b] [m, k] . rhs[b] [n, k]^T, row-major, the batch
 // elements of each operand contiguous. Scales: kBlockVec32E8M0, the swizzled E8M0 bytes of each
-// batch element one after the other; kTensorF32, one float32 per batch element.
+// batch element one after the other; kTensorF32, one float32 per batch element; kBlockF32, the
+// float32 scale matrices of each batch element one after the other.
 struct LtGemm {
   LtScaling scaling = LtScaling::kBlockVec32E8M0;
   int64_t batch = 1, m = 0, n = 0, k = 0;
@@ -39,6 +44,7 @@ struct LtGemm {
   const void* rhs_scale = nullptr;
   void* out = nullptr;
   bool fast_accum = false;  // kTensorF32 only: CUBLASLT_MATMUL_DESC_FAST_ACCUM (forward GEMMs)
+  bool lhs_tiled = false, rhs_tiled = false;  // kBlockF32: which operand has 128x128 tiles
 };
 
 enum class LtCode { kOk, kInvalidArgument, kFailedPrecondition, kUnimplemented, kInternal };
@@ -70,8 +76,8 @@ class LtContext {
   LtStatus Prepare(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes);
 
   // Prepare (a cache hit after the first call of a problem), then enqueues the GEMM on `stream`:
-  // one cublasLtMatmul, strided-batched over MX batch elements; per-tensor scales are one per
-  // GEMM, so a batched per-tensor call enqueues one cublasLtMatmul per batch element.
+  // one cublasLtMatmul, strided-batched over MX batch elements; per-tensor and block-FP8 batches
+  // enqueue one cublasLtMatmul per batch element, each with that element's scale pointers.
   LtStatus Run(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes,
                cudaStream_t stream);
 
@@ -86,7 +92,7 @@ class LtContext {
     int64_t batch, m, n, k;
     uint32_t align_lhs, align_rhs, align_out;
     uint64_t workspace;
-    bool fast_accum;
+    bool fast_accum, lhs_tiled, rhs_tiled;
     bool operator<(const PlanKey& o) const;
   };
   struct Plan {
@@ -99,6 +105,7 @@ class LtContext {
   LtStatus MakePlan(const Device& device, const PlanKey& key, const LtGemm& gemm, Plan* plan);
   LtStatus GetDevice(int ordinal, Device** device);
   LtStatus Check(int ordinal, const Device& device, const LtGemm& gemm) const;
+  LtStatus CheckBlockF32(const std::string& on, int capability, const LtGemm& gemm) const;
   LtStatus GetPlan(int ordinal, const Device& device, const LtGemm& gemm, uint64_t workspace,
                    Plan** plan);
   LtStatus Enqueue(const Device& device, const LtGemm& gemm, Plan& plan, void* workspace,

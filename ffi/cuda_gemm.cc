@@ -1,5 +1,6 @@
-// The XLA FFI handlers of jaxmx_mx_matmul (MXFP8, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0) and
-// jaxmx_fp8_matmul (per-tensor FP8, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) on CUDA: a thin shell
+// The XLA FFI handlers of jaxmx_mx_matmul (MXFP8, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0),
+// jaxmx_fp8_matmul (per-tensor FP8, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) and
+// jaxmx_block_fp8_matmul (block FP8, VEC128_32F / BLK128x128_32F) on CUDA: a thin shell
 // that checks the buffers (CheckGemm), describes the call as an LtGemm and hands it to the core
 // (cublaslt_gemm.h) with the CUDA runtime and cuBLASLt loaded here.
 //
@@ -154,12 +155,23 @@ ffi::ErrorCode FfiCode(LtCode code) {
 
 enum class Stage { kInitialize, kExecute };
 
+LtScaling Scaling(ScaleKind kind) {
+  switch (kind) {
+    case ScaleKind::kBlockE8M0:
+      return LtScaling::kBlockVec32E8M0;
+    case ScaleKind::kBlockF32:
+      return LtScaling::kBlockF32;
+    default:
+      return LtScaling::kTensorF32;
+  }
+}
+
 // Checks the buffers, then plans (initialize) or runs (execute) the GEMM in the core.
 ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_accum,
-                    cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                    ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                    ScaleTiles tiles, cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                    ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
+  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, tiles);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
   const Api& api = GetApi();
@@ -167,7 +179,7 @@ ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_a
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(target) + ": " + api.info.error);
   LtGemm gemm;
-  gemm.scaling = kind == ScaleKind::kBlockE8M0 ? LtScaling::kBlockVec32E8M0 : LtScaling::kTensorF32;
+  gemm.scaling = Scaling(kind);
   gemm.batch = p.batch;
   gemm.m = p.m;
   gemm.n = p.n;
@@ -181,6 +193,8 @@ ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_a
   gemm.rhs_scale = rhs_scale.untyped_data();
   gemm.out = out->untyped_data();
   gemm.fast_accum = fast_accum;
+  gemm.lhs_tiled = p.lhs_tiled;
+  gemm.rhs_tiled = p.rhs_tiled;
   LtContext& context = Context(api);
   const LtStatus s =
       stage == Stage::kInitialize
@@ -194,8 +208,8 @@ template <Stage stage>
 ffi::Error MxMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                         ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kBlockE8M0, false, stream, device, lhs, rhs,
-                  lhs_scale, rhs_scale, out, workspace);
+  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kBlockE8M0, false, {}, stream, device, lhs,
+                  rhs, lhs_scale, rhs_scale, out, workspace);
 }
 
 template <Stage stage>
@@ -203,8 +217,19 @@ ffi::Error Fp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs
                          ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                          bool fast_accum) {
-  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kTensorF32, fast_accum, stream, device, lhs,
-                  rhs, lhs_scale, rhs_scale, out, workspace);
+  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kTensorF32, fast_accum, {}, stream, device,
+                  lhs, rhs, lhs_scale, rhs_scale, out, workspace);
+}
+
+template <Stage stage>
+ffi::Error BlockFp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                              ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                              ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::Result<ffi::AnyBuffer> workspace, bool lhs_tiled,
+                              bool rhs_tiled) {
+  return GemmCuda(stage, "jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, false,
+                  ScaleTiles{lhs_tiled, rhs_tiled}, stream, device, lhs, rhs, lhs_scale, rhs_scale,
+                  out, workspace);
 }
 
 }  // namespace
@@ -240,3 +265,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCuda, jaxmx::Fp8MatmulCuda<Stage::kExecute>,
                               JAXMX_CUDA_BINDING(ExecutionStage::kExecute).Attr<bool>("fast_accum"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxBlockFp8MatmulCudaInitialize,
+                              jaxmx::BlockFp8MatmulCuda<Stage::kInitialize>,
+                              JAXMX_CUDA_BINDING(ExecutionStage::kInitialize)
+                                  .Attr<bool>("lhs_tiled")
+                                  .Attr<bool>("rhs_tiled"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxmxBlockFp8MatmulCuda, jaxmx::BlockFp8MatmulCuda<Stage::kExecute>,
+    JAXMX_CUDA_BINDING(ExecutionStage::kExecute).Attr<bool>("lhs_tiled").Attr<bool>("rhs_tiled"),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -10,6 +10,7 @@
 // CPU handlers (always built).
 extern "C" XLA_FFI_Error* JaxmxMxMatmulCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCpu(XLA_FFI_CallFrame* call_frame);
 
 #ifdef JAXMX_WITH_CUDA
 // cuBLASLt handlers (built when the CUDA runtime and cuBLASLt headers were found), per target an
@@ -18,6 +19,8 @@ extern "C" XLA_FFI_Error* JaxmxMxMatmulCudaInitialize(XLA_FFI_CallFrame* call_fr
 extern "C" XLA_FFI_Error* JaxmxMxMatmulCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 
 namespace jaxmx {

@@ -32,6 +32,30 @@ inline constexpr int64_t SwizzledOffset(int64_t r, int64_t c, int64_t cols_padde
          (c % 4);
 }
 
+// Block FP8 (cuBLASLt VEC128_32F / BLK128x128_32F): one float32 scale per 128 elements along K
+// (1x128 blocks) or per 128x128 tile of an operand [rows, K], K a multiple of 128. The scale
+// tensor of one operand is a row-major [outer, inner] float32 matrix:
+//   1x128 blocks:  [K / 128, rows], the rows contiguous (scale of row r, K-block c at c * rows +
+//   r); 128x128 tiles: [ceil(rows / 128), roundup(K / 128, 4)], the K-blocks contiguous,
+//   zero-padded.
+inline constexpr int64_t kFp8Block = 128;
+
+struct BlockScaleShape {
+  int64_t outer, inner;
+  int64_t elements() const { return outer * inner; }
+};
+
+inline constexpr BlockScaleShape Fp8BlockScaleShape(int64_t rows, int64_t k, bool tiled) {
+  return tiled ? BlockScaleShape{(rows + kFp8Block - 1) / kFp8Block, RoundUp(k / kFp8Block, 4)}
+               : BlockScaleShape{k / kFp8Block, rows};
+}
+
+// Element offset of the scale of (row, K-block) in that matrix.
+inline constexpr int64_t Fp8BlockScaleOffset(int64_t row, int64_t block, int64_t rows, int64_t k,
+                                             bool tiled) {
+  return tiled ? row / kFp8Block * RoundUp(k / kFp8Block, 4) + block : block * rows + row;
+}
+
 // cuBLASLt requires a 256-byte aligned workspace; XLA's buffers need not be. The custom calls
 // ask XLA for kWorkspaceAlignment extra bytes and hand cuBLASLt the aligned part, always
 // size - kWorkspaceAlignment bytes long (so plans keyed by the size do not depend on where XLA

@@ -47,11 +47,14 @@ nb::dict Registrations() {
   nb::dict platforms, cpu;
   cpu["jaxmx_mx_matmul"] = Capsule(JaxmxMxMatmulCpu);
   cpu["jaxmx_fp8_matmul"] = Capsule(JaxmxFp8MatmulCpu);
+  cpu["jaxmx_block_fp8_matmul"] = Capsule(JaxmxBlockFp8MatmulCpu);
   platforms["cpu"] = cpu;
 #ifdef JAXMX_WITH_CUDA
   nb::dict cuda;
   cuda["jaxmx_mx_matmul"] = Stages(JaxmxMxMatmulCudaInitialize, JaxmxMxMatmulCuda);
   cuda["jaxmx_fp8_matmul"] = Stages(JaxmxFp8MatmulCudaInitialize, JaxmxFp8MatmulCuda);
+  cuda["jaxmx_block_fp8_matmul"] =
+      Stages(JaxmxBlockFp8MatmulCudaInitialize, JaxmxBlockFp8MatmulCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;

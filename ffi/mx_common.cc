@@ -68,11 +68,58 @@ ffi::Unexpected<ffi::Error> Invalid(const char* target, const std::string& what)
       ffi::Error::InvalidArgument(std::string(target) + ": " + what));
 }
 
+// Block FP8: K % 128 == 0, at most one operand in 128x128 tiles, and per operand the float32
+// scale matrix of layout.h (Fp8BlockScaleShape) behind the batch dims.
+ffi::ErrorOr<GemmProblem> CheckBlockF32Scales(const char* target, GemmProblem p,
+                                              ffi::Span<const int64_t> ld,
+                                              const ffi::AnyBuffer& lhs_scale,
+                                              const ffi::AnyBuffer& rhs_scale, ScaleTiles tiles) {
+  if (p.k % kFp8Block != 0)
+    return Invalid(target,
+                   "K must be a multiple of 128 for block FP8, got K = " + std::to_string(p.k));
+  if (tiles.lhs && tiles.rhs)
+    return Invalid(target,
+                   "lhs and rhs cannot both have 128x128 tiles: cuBLASLt's block-FP8 GEMM takes "
+                   "1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128 scales");
+  const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
+  const int64_t rows[2] = {p.m, p.n};
+  const bool tiled[2] = {tiles.lhs, tiles.rhs};
+  const char* names[2] = {"lhs", "rhs"};
+  const size_t rank = ld.size();
+  int64_t strides[2] = {0, 0};
+  for (int s = 0; s < 2; ++s) {
+    const ffi::AnyBuffer& sc = *scales[s];
+    if (sc.element_type() != ffi::DataType::F32)
+      return Invalid(target, std::string(names[s]) + " scales must be float32, got " +
+                                 DataTypeName(sc.element_type()));
+    const BlockScaleShape want = Fp8BlockScaleShape(rows[s], p.k, tiled[s]);
+    const auto sd = sc.dimensions();
+    bool ok = sd.size() == rank && sd[rank - 2] == want.outer && sd[rank - 1] == want.inner;
+    for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
+    if (!ok) {
+      std::ostringstream os;
+      os << names[s] << " scales of a [" << rows[s] << ", " << p.k << "] operand must have shape"
+         << " [..., " << want.outer << ", " << want.inner << "] ("
+         << (tiled[s] ? "128x128 tiles: [ceil(rows / 128), roundup(K / 128, 4)]"
+                      : "1x128 blocks: [K / 128, rows]")
+         << "), got " << Shape(sc);
+      return Invalid(target, os.str());
+    }
+    strides[s] = want.elements();
+  }
+  p.lhs_scale_stride = strides[0];
+  p.rhs_scale_stride = strides[1];
+  p.lhs_tiled = tiles.lhs;
+  p.rhs_tiled = tiles.rhs;
+  return p;
+}
+
 }  // namespace
 
 ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
                                     const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
-                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out) {
+                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out,
+                                    ScaleTiles tiles) {
   GemmProblem p;
   p.lhs_type = lhs.element_type();
   p.rhs_type = rhs.element_type();
@@ -147,6 +194,10 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
     }
     p.lhs_scale_stride = *SwizzledSize(p.m, kb);  // both checked above
     p.rhs_scale_stride = *SwizzledSize(p.n, kb);
+  } else if (kind == ScaleKind::kBlockF32) {
+    auto checked = CheckBlockF32Scales(target, p, ld, lhs_scale, rhs_scale, tiles);
+    if (checked.has_error()) return checked;
+    p = *checked;
   } else {
     const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
     const char* names[2] = {"lhs", "rhs"};

@@ -110,17 +110,27 @@ inline bool IsGemmOutput(ffi::DataType t) {
 struct GemmProblem {
   int64_t batch = 1, m = 0, n = 0, k = 0;
   ffi::DataType lhs_type{}, rhs_type{}, out_type{};
-  int64_t lhs_scale_stride = 0, rhs_scale_stride = 0;  // bytes (mx) or elements (per-tensor)
+  // Scale elements between batch elements: bytes (mx), float32 elements (per-tensor, block FP8).
+  int64_t lhs_scale_stride = 0, rhs_scale_stride = 0;
+  bool lhs_tiled = false, rhs_tiled = false;  // block FP8: 128x128 tiles instead of 1x128 blocks
 };
 
-enum class ScaleKind { kBlockE8M0, kTensorF32 };
+// kBlockE8M0: MX, swizzled E8M0 bytes per 32 elements along K; kTensorF32: one float32 per
+// operand and GEMM; kBlockF32: block FP8, float32 per 1x128 block or 128x128 tile (layout.h).
+enum class ScaleKind { kBlockE8M0, kTensorF32, kBlockF32 };
+
+// Block FP8: which operands have one scale per 128x128 tile (the others per 1x128 block).
+struct ScaleTiles {
+  bool lhs = false, rhs = false;
+};
 
 // Checks element types and shapes of a jaxmx GEMM call and derives its problem. Every handler calls
 // this first, so malformed calls (e.g. a raw jax.ffi.ffi_call that skips the Python checks) fail
 // with a readable message instead of reading out of bounds.
 ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
                                     const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
-                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out);
+                                    const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out,
+                                    ScaleTiles tiles = {});
 
 }  // namespace jaxmx
 

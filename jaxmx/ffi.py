@@ -1,8 +1,10 @@
 """The native GEMMs as raw custom calls (XLA FFI), and what this machine can run.
 
 ``mx_matmul`` multiplies MXFP8 operands in TN form (cuBLASLt block scaling on Blackwell, a C++
-handler on the CPU); ``fp8_matmul`` multiplies FP8 operands with per-tensor float32 scales
-(cuBLASLt on compute capability >= 8.9, the C++ handler on the CPU). Most code calls
+handler on the CPU); ``block_fp8_matmul`` block-FP8 operands (1x128 blocks or 128x128 tiles,
+float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp8_matmul`` FP8 operands
+with per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler on the
+CPU). Most code calls
 :func:`jaxmx.matmul` or :func:`jaxmx.dot_general` with ``backend="ffi"`` instead.
 
 Example:
@@ -15,16 +17,34 @@ Example:
     'available'
 """
 
-from jaxmx._src.backends import NATIVE_FORMATS, backends, cublaslt_supported
+from jaxmx._src.backends import (
+    BLOCK_FP8_FORMATS,
+    NATIVE_FORMATS,
+    backends,
+    block_fp8_supported,
+    cublaslt_supported,
+)
 from jaxmx._src.extension import register_targets
-from jaxmx._src.native import FP8_TARGET, MX_TARGET, WORKSPACE_BYTES, fp8_matmul, mx_matmul
+from jaxmx._src.native import (
+    BLOCK_FP8_TARGET,
+    FP8_TARGET,
+    MX_TARGET,
+    WORKSPACE_BYTES,
+    block_fp8_matmul,
+    fp8_matmul,
+    mx_matmul,
+)
 
 __all__ = [
+    "BLOCK_FP8_FORMATS",
+    "BLOCK_FP8_TARGET",
     "FP8_TARGET",
     "MX_TARGET",
     "NATIVE_FORMATS",
     "WORKSPACE_BYTES",
     "backends",
+    "block_fp8_matmul",
+    "block_fp8_supported",
     "cublaslt_supported",
     "fp8_matmul",
     "mx_matmul",

@@ -21,9 +21,14 @@ what is missing). Runs in under 5 minutes on one GPU and prints its run time. St
    output dtype, operands whose exponents vary per row and per block on both sides, batch dims
    and vmap, and against ``jax.nn.scaled_matmul`` (cuDNN); below 10.0 it checks the call fails
    with the capability error instead;
-4. CUDA graphs: the GEMMs jitted in a fresh process with XLA's command buffers enabled for
+4. block FP8 (compute capability 9.x): ``jaxmx.ffi.block_fp8_matmul`` with 1x128 x 128x128
+   (forward, dgrad shapes), 1x128 x 1x128 (wgrad), 128x128 x 1x128 and E5M2 x E4M3 scales
+   against ``jaxmx.dequantize`` + ``jnp.dot`` and the CPU handler, and ``DEEPSEEK_FP8``'s
+   forward and backward GEMMs with ``backend="ffi"`` against ``"emulate"``; elsewhere it checks
+   the call fails with the capability error;
+5. CUDA graphs: the GEMMs jitted in a fresh process with XLA's command buffers enabled for
    custom calls, on new shapes, run twice with different operands;
-5. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
+6. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
    and without quantization), as TFLOP/s and as a ratio to bf16, all measured in this run, and
    the outputs of the timed GEMMs checked against the emulation.
 
@@ -351,6 +356,83 @@ def check_mx(gpu, cpu, capability, small=False):
     check_against_cudnn(gpu)
 
 
+def check_block_fp8(gpu, cpu, capability, small=False):
+    """Block FP8 (cuBLASLt VEC128_32F / BLK128x128_32F, sm_90): the DeepSeek-V3 GEMM shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmx
+    from jaxmx import ffi
+
+    log("== block FP8 (cuBLASLt VEC128_32F / BLK128x128_32F)")
+    tile = (128, 128)
+    if capability[0] != 9:
+        name = "block FP8 off compute capability 9.x reports the capability"
+        a = jax.device_put(jaxmx.quantize(jnp.ones((128, 128)), "fp8_e4m3_block"), gpu)
+        try:
+            ffi.block_fp8_matmul(a, a).block_until_ready()
+            check(name, False, "the call succeeded")
+        except Exception as e:
+            check(name, "compute capability 9.x" in str(e), str(e).splitlines()[0][:200])
+        return
+    e4, e5 = "fp8_e4m3_block", "fp8_e5m2_block"
+    # (name, M, N, K, lhs format, lhs tile, rhs format, rhs tile, out dtype)
+    cases = [
+        ("fwd 1x128 x 128x128", 128, 128, 128, e4, None, e4, tile, jnp.bfloat16),
+        ("fwd 1x128 x 128x128", 1, 256, 4096, e4, None, e4, tile, jnp.bfloat16),
+        ("fwd 1x128 x 128x128", 100, 200, 384, e4, None, e4, tile, jnp.float32),
+        ("dgrad 1x128 x 128x128", 257, 384, 1024, e4, None, e4, tile, jnp.float32),
+        ("wgrad 1x128 x 1x128", 130, 1000, 512, e4, None, e4, None, jnp.float32),
+        ("128x128 x 1x128", 256, 96, 640, e4, tile, e4, None, jnp.float16),
+        ("e5m2 x e4m3 fwd", 64, 256, 256, e5, None, e4, tile, jnp.float32),
+        ("fwd 1x128 x 128x128", 4096, 4096, 4096, e4, None, e4, tile, jnp.bfloat16),
+    ]
+    key = jax.random.key(7)
+    for label, m, n, k, fa, ta, fb, tb, out_dtype in cases:
+        if small and m * n * k > 2**25:
+            continue
+        name = f"block fp8 {label} -> {jnp.dtype(out_dtype).name} [{m}, {n}, {k}]"
+        try:
+            key, ka, kb = jax.random.split(key, 3)
+            x, w = exponent_varied(ka, (m, k)), exponent_varied(kb, (n, k))
+            a = jaxmx.quantize(x, fa, tile=ta)
+            b = jaxmx.quantize(w, fb, tile=tb)
+            a, b = jax.device_put((a, b), gpu)
+            f = jax.jit(lambda a, b, o=out_dtype: ffi.block_fp8_matmul(a, b, o))
+            out = f(a, b)
+            xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
+            ref = jnp.dot(xd, wd.T, precision="highest", preferred_element_type=jnp.float32)
+            abs_sum = jnp.dot(abs(xd), abs(wd).T, precision="highest")
+            err = max_error(out, ref, abs_sum, out_dtype)
+            check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
+            if m * n * k <= 2**27:
+                out_cpu = f(*jax.device_put((a, b), cpu))
+                err = max_error(out, out_cpu, abs_sum, out_dtype)
+                check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+        except Exception as e:
+            check(name, False, f"{type(e).__name__}: {e}")
+    name = "block fp8 DEEPSEEK_FP8 dot_general forward and backward vs emulation"
+    try:
+        x = exponent_varied(jax.random.key(8), (256, 512))
+        w = exponent_varied(jax.random.key(9), (384, 512))
+        g = exponent_varied(jax.random.key(10), (256, 384))
+        tn = (((1,), (1,)), ((), ()))
+
+        def run(backend):
+            recipe = jaxmx.recipes.DEEPSEEK_FP8.replace(backend=backend)
+            f = jax.jit(lambda x, w: jaxmx.dot_general(x, w, tn, recipe=recipe))
+            y, pullback = jax.vjp(f, *jax.device_put((x, w), gpu))
+            return (y, *pullback(jax.device_put(g, gpu)))
+
+        errors = []
+        for got, want in zip(run("ffi"), run("emulate"), strict=True):
+            scale = float(jnp.max(jnp.abs(want)))
+            errors.append(float(jnp.max(jnp.abs(got - want))) / scale)
+        check(name, max(errors) <= 2.0**-7, f"max |diff| / max |ref| {max(errors):.3g}")
+    except Exception as e:
+        check(name, False, f"{type(e).__name__}: {e}")
+
+
 def exponent_varied(key, shape):
     """Normal data times 2^e, e varying per row (-8..2) and per 32-element block (-3..1): scales
     differ across rows and blocks, and float16 results stay finite."""
@@ -596,6 +678,7 @@ def main() -> int:
         log("== CPU dry run: the CPU handler stands in for cuBLASLt, as if compute capability 10.0")
         check_fp8(cpu, cpu, (10, 0))
         check_mx(cpu, cpu, (10, 0), small=True)
+        check_block_fp8(cpu, cpu, (9, 0), small=True)
         check_graphs((10, 0), "cpu")
         if not args.skip_speed:
             speed(cpu, (10, 0), args.size, args.iters)
@@ -612,6 +695,7 @@ def main() -> int:
     jax.config.update("jax_default_device", gpu)
     cc = tuple(int(p) for p in str(gpu.compute_capability).split(".")[:2])
     steps = [lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)]
+    steps.append(lambda: check_block_fp8(gpu, cpu, cc))
     steps.append(lambda: check_graphs(cc, "gpu"))
     if cc >= (8, 9):
         steps.append(lambda: check_devices(gpus, cpu))

@@ -8,16 +8,24 @@
 //   CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F (the default): one float32 per operand;
 //   CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0: one E8M0 byte per 32 elements along K of each row
 //   of op(A) / column of op(B), in the 128x4 tiled layout of the cuBLAS documentation;
+//   CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / BLK128x128_32F (block FP8, CUDA 12.9, sm_90): one
+//   float32 per 128 elements along K of each row of op(A) / column of op(B), stored [K/128, rows]
+//   with the rows contiguous, or per 128x128 tile, stored [ceil(rows/128), roundup(K/128, 4)]
+//   with the K-blocks contiguous; each 128-block's exact sum of products times both scales is
+//   added to a float32 accumulator;
 //   strided batches (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT / STRIDED_BATCH_OFFSET), the scale
 //   tensors of consecutive batch elements one after the other;
 // and refuses what cuBLASLt refuses:
 //   a workspace not 256-byte aligned (CUBLAS_STATUS_INVALID_VALUE);
 //   A, B, C or D not 16-byte aligned, or a heuristic asked for less (CUBLAS_STATUS_NOT_SUPPORTED);
-//   E5M2 x E5M2, mixed scale modes, VEC32 below compute capability 10.0 or cuBLASLt 12.8, FP8 below
-//   8.9, K not a multiple of 32 (VEC32) or 16 (FP8), a leading dimension not a multiple of 16
-//   bytes, and any layout but TN (A transposed, B not) on architectures that only have TN kernels
-//   (compute capability 8.9, 9.x and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED);
-//   inconsistent shapes or batch counts (CUBLAS_STATUS_INVALID_VALUE).
+//   E5M2 x E5M2, mixed scale modes (but 1x128 with 128x128), 128x128 x 128x128, VEC32 below
+//   compute capability 10.0 or cuBLASLt 12.8, block FP8 off compute capability 9.x or below
+//   cuBLASLt 12.9, FP8 below 8.9, K not a multiple of 32 (VEC32), 128 (block FP8) or 16 (FP8), a
+//   1x128 scale tensor whose rows are not a multiple of 4 (16 bytes) or a scale tensor not
+//   16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A
+//   transposed, B not) on architectures that only have TN kernels (compute capability 8.9, 9.x
+//   and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED); inconsistent shapes or batch counts
+//   (CUBLAS_STATUS_INVALID_VALUE).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -50,6 +58,7 @@ struct MatmulRecord {  // one cublasLtMatmul that ran
   int64_t transa, transb;
   int64_t fast_accum;                 // -1: never set
   int64_t alpha_vector_batch_stride;  // -1: never set
+  int64_t a_scale_mode, b_scale_mode;
 };
 
 struct Machine {
@@ -192,7 +201,23 @@ int64_t TiledBytes(int64_t rows, int64_t blocks) {
 struct Problem {  // op(A) [m, k], op(B) [k, n], D [m, n]
   int64_t m, n, k, batch;
   bool vec32;
+  bool block_fp8;         // VEC128_32F / BLK128x128_32F
+  bool a_tiles, b_tiles;  // block FP8: BLK128x128_32F for A / B
 };
+
+bool IsBlockFp8Mode(int32_t mode) {
+  return mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F ||
+         mode == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+}
+
+// Offset of the float32 block-FP8 scale of (row, K-block) of an operand with `rows` rows.
+int64_t BlockFp8Offset(bool tiles, int64_t row, int64_t block, int64_t rows, int64_t blocks) {
+  return tiles ? row / 128 * ((blocks + 3) / 4 * 4) + block : block * rows + row;
+}
+
+int64_t BlockFp8Elements(bool tiles, int64_t rows, int64_t blocks) {
+  return tiles ? (rows + 127) / 128 * ((blocks + 3) / 4 * 4) : blocks * rows;
+}
 
 bool OnlyTn(int cc) { return cc == 89 || (cc >= 90 && cc < 100) || (cc >= 120 && cc < 130); }
 
@@ -216,9 +241,16 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
   const int scale_default = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   const int32_t sa = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_default);
   const int32_t sb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_default);
-  if (sa != sb || (sa != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F &&
-                   sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0))
+  p->block_fp8 = IsBlockFp8Mode(sa) && IsBlockFp8Mode(sb);
+  p->a_tiles = sa == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  p->b_tiles = sb == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  if (!p->block_fp8 && (sa != sb || (sa != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F &&
+                                     sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0)))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "scale modes");
+  if (p->a_tiles && p->b_tiles)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "BLK128x128_32F x BLK128x128_32F");
+  if (p->block_fp8 && (cc / 10 != 9 || mc.cublaslt_version < 120900))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "block FP8 scaling needs sm_90 and cuBLASLt 12.9");
   p->vec32 = sa == CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
   if (p->vec32 && (cc < 100 || mc.cublaslt_version < 120800))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "VEC32_UE8M0 needs sm_100+ and cuBLASLt 12.8");
@@ -236,8 +268,10 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
   if (a.batch() != d.batch() || b.batch() != d.batch())
     return Refuse(CUBLAS_STATUS_INVALID_VALUE, "batch counts differ");
   p->batch = d.batch();
-  if (p->k % (p->vec32 ? 32 : 16) != 0)
+  if (p->k % (p->block_fp8 ? 128 : p->vec32 ? 32 : 16) != 0)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "K is not a multiple of the block");
+  if (p->block_fp8 && ((!p->a_tiles && p->m % 4 != 0) || (!p->b_tiles && p->n % 4 != 0)))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "1x128 scale rows not a multiple of 16 bytes");
   if (a.ld % 16 != 0 || b.ld % 16 != 0 || d.ld * Bytes(d.type) % 16 != 0)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "leading dimensions not multiples of 16 bytes");
   return CUBLAS_STATUS_SUCCESS;
@@ -413,10 +447,13 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
   const void* b_scale = desc.attrs.Get<const void*>(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, nullptr);
   if (a_scale == nullptr || b_scale == nullptr)
     return Refuse(CUBLAS_STATUS_INVALID_VALUE, "FP8 needs A and B scale pointers");
+  if (p.block_fp8 && (!Aligned(a_scale, 16) || !Aligned(b_scale, 16)))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "block FP8 scales not 16-byte aligned");
   const bool ta = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N) == CUBLAS_OP_T;
   const bool tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N) == CUBLAS_OP_T;
   const float alpha_value = *static_cast<const float*>(alpha);
-  const int64_t blocks = p.k / 32;
+  const int64_t blocks = p.k / 32, blocks128 = p.k / 128;
+  const int64_t block = p.block_fp8 ? 128 : 32;
   const auto* a8 = static_cast<const uint8_t*>(a_data);
   const auto* b8 = static_cast<const uint8_t*>(b_data);
   auto* d8 = static_cast<uint8_t*>(d_data);
@@ -426,9 +463,9 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
     for (int64_t i = 0; i < p.m; ++i) {
       for (int64_t j = 0; j < p.n; ++j) {
         float acc = 0.0f;
-        for (int64_t k0 = 0; k0 < p.k; k0 += 32) {  // float32 accumulation, exact 32-products
+        for (int64_t k0 = 0; k0 < p.k; k0 += block) {  // float32 accumulation, exact products
           double sum = 0.0;
-          for (int64_t k = k0; k < k0 + 32 && k < p.k; ++k) {
+          for (int64_t k = k0; k < k0 + block && k < p.k; ++k) {
             const uint8_t x = ag[ta ? k + i * a.ld : i + k * a.ld];
             const uint8_t y = bg[tb ? j + k * b.ld : k + j * b.ld];
             sum += DecodeFp8(x, a.type) * DecodeFp8(y, b.type);
@@ -440,11 +477,18 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
             const int eb = sb[TiledOffset(j, k0 / 32, blocks)];
             sum = (ea == 0xFF || eb == 0xFF) ? std::numeric_limits<double>::quiet_NaN()
                                              : std::ldexp(sum, ea + eb - 254);
+          } else if (p.block_fp8) {
+            const auto* sa = static_cast<const float*>(a_scale) +
+                             g * BlockFp8Elements(p.a_tiles, p.m, blocks128);
+            const auto* sb = static_cast<const float*>(b_scale) +
+                             g * BlockFp8Elements(p.b_tiles, p.n, blocks128);
+            sum *= static_cast<double>(sa[BlockFp8Offset(p.a_tiles, i, k0 / 128, p.m, blocks128)]) *
+                   sb[BlockFp8Offset(p.b_tiles, j, k0 / 128, p.n, blocks128)];
           }
           acc += static_cast<float>(sum);
         }
         float v = alpha_value * acc;
-        if (!p.vec32)
+        if (!p.vec32 && !p.block_fp8)
           v *= *static_cast<const float*>(a_scale) * *static_cast<const float*>(b_scale);
         Store(v, d.type, d8 + (g * d.stride() + i + j * d.ld) * Bytes(d.type));
       }
@@ -455,7 +499,9 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
                    desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N),
                    desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N),
                    desc.attrs.Get<int8_t>(CUBLASLT_MATMUL_DESC_FAST_ACCUM, -1),
-                   desc.attrs.Get<int64_t>(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, -1)});
+                   desc.attrs.Get<int64_t>(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, -1),
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, 0),
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, 0)});
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -535,13 +581,19 @@ void core_free(void* context) { delete static_cast<jaxmx::LtContext*>(context); 
 
 // LtContext::Run (`prepare_only`: LtContext::Prepare) of the GEMM described by the arguments;
 // returns the LtCode and copies the message into `message`.
-int core_gemm(void* context, int prepare_only, int device, int block_scaled, int64_t batch,
-              int64_t m, int64_t n, int64_t k, const char* lhs_type, const char* rhs_type,
+// `scaling`: 0 per-tensor, 1 MX (VEC32_UE8M0), 2 block FP8 with 1x128 blocks, 3 block FP8 with
+// 128x128 rhs tiles, 4 block FP8 with 128x128 lhs tiles, 5 block FP8 with both tiled.
+int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t batch, int64_t m,
+              int64_t n, int64_t k, const char* lhs_type, const char* rhs_type,
               const char* out_type, const void* lhs, const void* rhs, const void* lhs_scale,
               const void* rhs_scale, void* out, int fast_accum, void* workspace,
               uint64_t workspace_bytes, char* message, int message_size) {
   jaxmx::LtGemm g;
-  g.scaling = block_scaled ? jaxmx::LtScaling::kBlockVec32E8M0 : jaxmx::LtScaling::kTensorF32;
+  g.scaling = scaling == 0   ? jaxmx::LtScaling::kTensorF32
+              : scaling == 1 ? jaxmx::LtScaling::kBlockVec32E8M0
+                             : jaxmx::LtScaling::kBlockF32;
+  g.rhs_tiled = scaling == 3 || scaling == 5;
+  g.lhs_tiled = scaling == 4 || scaling == 5;
   g.batch = batch;
   g.m = m;
   g.n = n;
@@ -563,12 +615,14 @@ int core_gemm(void* context, int prepare_only, int device, int block_scaled, int
 }
 
 // A plain cuBLASLt user of the double, without the core: D [m, n] = op(A) op(B), A [k, m] and
-// B [k, n] as stored (both K-major), FP8 per-tensor scales 1 or VEC32 scales 2^0, on device 0,
-// with the workspace at `workspace_offset` bytes past a 256-byte boundary. Returns the status
-// name of the heuristic (if it refused) or of cublasLtMatmul.
+// B [k, n] as stored (both K-major), on device 0, with the workspace at `workspace_offset` bytes
+// past a 256-byte boundary. `scaling`: 0 per-tensor scales 1, 1 VEC32 scales 2^0, 2..5 block FP8
+// scales 1 (2: VEC128_32F for A and B, 3: BLK128x128_32F for A, 4: for B, 5: for both). Returns
+// the status name of the heuristic (if it refused) or of cublasLtMatmul.
 const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_type,
-                                const char* b_type, int transa, int transb, int block_scaled,
+                                const char* b_type, int transa, int transb, int scaling,
                                 uint64_t workspace_offset) {
+  const bool block_scaled = scaling == 1;
   const cudaDataType_t ta = TypeNamed(a_type), tb = TypeNamed(b_type);
   auto buffer = [](size_t bytes) {
     return std::unique_ptr<uint8_t, decltype(&std::free)>(
@@ -576,15 +630,16 @@ const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_t
   };
   auto a = buffer(m * k), b = buffer(n * k), d = buffer(m * n * 4), ws = buffer(1024);
   const int64_t blocks = k / 32;
-  auto sa = buffer(TiledBytes(m, blocks) + 4), sb = buffer(TiledBytes(n, blocks) + 4);
+  const int64_t scale_bytes = std::max(TiledBytes(std::max(m, n), blocks), (m + n + 128) * k) + 4;
+  auto sa = buffer(scale_bytes), sb = buffer(scale_bytes);
   std::memset(a.get(), 0, m * k);
   std::memset(b.get(), 0, n * k);
   const float one = 1.0f, zero = 0.0f;
   std::memset(sa.get(), 127, TiledBytes(m, blocks));
   std::memset(sb.get(), 127, TiledBytes(n, blocks));
-  if (!block_scaled) {
-    std::memcpy(sa.get(), &one, 4);
-    std::memcpy(sb.get(), &one, 4);
+  if (scaling != 1) {
+    std::fill_n(reinterpret_cast<float*>(sa.get()), scale_bytes / 4, 1.0f);
+    std::fill_n(reinterpret_cast<float*>(sb.get()), scale_bytes / 4, 1.0f);
   }
   cublasLtHandle_t handle;
   Create(&handle);
@@ -598,6 +653,13 @@ const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_t
     const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode);
     DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode);
+  } else if (scaling >= 2) {
+    const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const int32_t blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t mode_a = scaling == 3 || scaling == 5 ? blk : vec;
+    const int32_t mode_b = scaling == 4 || scaling == 5 ? blk : vec;
+    DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof mode_a);
+    DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof mode_b);
   }
   const void* pa = sa.get();
   const void* pb = sb.get();

@@ -39,6 +39,17 @@ def test_auto_never_sends_formats_without_a_native_gemm_to_it(capable_gpu):
     assert backends.per_platform("auto", ("mxfp8_e5m2", "mxfp8_e5m2")) == {"default": "emulate"}
 
 
+def test_auto_sends_block_fp8_to_cuda_where_hopper_runs_it(monkeypatch):
+    monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
+    block = ("fp8_e4m3_block", "fp8_e5m2_block")
+    assert backends.per_platform("auto", block) == {"default": "emulate", "cuda": "ffi"}
+    assert backends.per_platform("auto", ("mxfp8_e4m3",)) == {"default": "emulate"}
+    # no native GEMM mixes families, and none takes E5M2 x E5M2
+    assert backends.per_platform("auto", ("fp8_e4m3_block", "mxfp8_e4m3")) == {"default": "emulate"}
+    assert backends.per_platform("auto", ("fp8_e5m2_block",) * 2) == {"default": "emulate"}
+
+
 def test_auto_emulates_where_no_device_runs_the_native_gemm(monkeypatch):
     monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
     assert backends.per_platform("auto", ("mxfp8_e4m3",)) == {"default": "emulate"}
@@ -79,9 +90,49 @@ def test_emulation_feeds_bfloat16_on_accelerators_and_float32_on_the_cpu():
 
 def test_the_availability_report_names_every_backend():
     report = jaxmx.backends()
-    assert set(report) == {"emulate", "ffi-cpu", "cublaslt"}
+    assert set(report) == {
+        "emulate",
+        "ffi-cpu",
+        "cublaslt",
+        "cublaslt-block-fp8",
+        "native-recipes",
+    }
     assert report["emulate"] == "available"
     assert report["ffi-cpu"] == "available"  # the CPU handler is always built
     has_gpu = bool([d for d in jax.devices() if d.platform == "gpu"])
     if not has_gpu:
         assert report["cublaslt"] != "available"
+        assert report["cublaslt-block-fp8"] != "available"
+        assert report["native-recipes"].startswith("none")
+
+
+def test_the_report_names_the_recipes_each_native_gemm_runs(monkeypatch):
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
+    monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
+    assert backends.backends()["native-recipes"] == "DEEPSEEK_FP8, FP8_BLOCK_POW2 (cuBLASLt)"
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
+    monkeypatch.setattr(backends, "block_fp8_supported", lambda: False)
+    assert backends.backends()["native-recipes"] == "MXFP8, MXFP8_2D, MXFP8_HYBRID (cuBLASLt)"
+
+
+def test_block_fp8_needs_hopper_and_cublaslt_12_9(monkeypatch):
+    class Device:
+        compute_capability = "10.0"
+
+    monkeypatch.setattr(backends, "_cuda_device", lambda: (Device(), ""))
+    backends._block_fp8_status.cache_clear()
+    try:
+        assert "runs on 9.x (Hopper)" in backends._block_fp8_status()
+        Device.compute_capability = "9.0"
+        backends._block_fp8_status.cache_clear()
+        libs = {"loaded": True, "error": "", "cublaslt_version": 120805}
+        ext = type("Ext", (), {"cuda_libraries": staticmethod(lambda: libs)})
+        monkeypatch.setattr(backends.extension, "load", lambda: (ext, ""))
+        assert "cuBLASLt 12.8 is loaded; block-FP8 scaling needs >= 12.9" in (
+            backends._block_fp8_status()
+        )
+        libs["cublaslt_version"] = 120900
+        backends._block_fp8_status.cache_clear()
+        assert backends._block_fp8_status() == "available"
+    finally:
+        backends._block_fp8_status.cache_clear()

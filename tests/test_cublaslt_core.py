@@ -41,25 +41,38 @@ class MatmulRecord(ctypes.Structure):
         ("transb", ctypes.c_int64),
         ("fast_accum", ctypes.c_int64),
         ("alpha_vector_batch_stride", ctypes.c_int64),
+        ("a_scale_mode", ctypes.c_int64),
+        ("b_scale_mode", ctypes.c_int64),
     ]
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    """The core + the double as a shared library, built with the extension's CUDA headers."""
+def build(directory, core_includes=()) -> ctypes.CDLL:
+    """The core + the double as a shared library in `directory`, built with the extension's CUDA
+    headers; `core_includes` go first on the core's include path (the double never sees them)."""
     if not _ffi.has_cuda:
         pytest.skip("extension built without the cuBLASLt handler (CI builds it)")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     assert compiler, "no C++ compiler (g++ / c++ / $CXX) to build the cuBLASLt test double"
     includes = _ffi.build_info()["cuda_include_dirs"].split(os.pathsep)
-    so = tmp_path_factory.mktemp("cublaslt_double") / "libcublaslt_double.so"
-    cmd = [compiler, "-std=c++17", "-O2", "-shared", "-fPIC", "-Wall"]
-    cmd += ["-I", os.path.join(ROOT, "ffi"), *(f"-isystem{d}" for d in includes)]
-    cmd += [os.path.join(ROOT, "ffi", "cublaslt_gemm.cc")]
-    cmd += [os.path.join(ROOT, "tests", "cublaslt_double.cc"), "-o", str(so)]
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    assert built.returncode == 0, f"{' '.join(cmd)}\n{built.stderr}"
-    lib = ctypes.CDLL(str(so))
+    flags = [compiler, "-std=c++17", "-O2", "-fPIC", "-Wall", "-I", os.path.join(ROOT, "ffi")]
+    flags += [f"-isystem{d}" for d in includes]
+    objects = []
+    for source, extra in (
+        ("ffi/cublaslt_gemm.cc", core_includes),
+        ("tests/cublaslt_double.cc", ()),
+    ):
+        obj = os.path.join(directory, os.path.basename(source) + ".o")
+        cmd = [*flags[:1], *(f"-I{d}" for d in extra), *flags[1:], "-c"]
+        cmd += [os.path.join(ROOT, source), "-o", obj]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        assert built.returncode == 0, f"{' '.join(cmd)}\n{built.stderr}"
+        objects.append(obj)
+    so = os.path.join(directory, "libcublaslt_double.so")
+    linked = subprocess.run(
+        [compiler, "-shared", *objects, "-o", so], capture_output=True, text=True
+    )
+    assert linked.returncode == 0, linked.stderr
+    lib = ctypes.CDLL(so)
     p, i, i64, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
     lib.double_reset.argtypes = [i, ctypes.POINTER(i), i]
     lib.double_refusal.restype = s
@@ -74,11 +87,18 @@ def lib(tmp_path_factory):
     return lib
 
 
-def plain_matmul(lib, m, n, k, types, trans=(1, 0), mx=True, workspace_offset=0) -> str:
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp("cublaslt_double")))
+
+
+def plain_matmul(lib, m, n, k, types, trans=(1, 0), mx=True, workspace_offset=0, scaling=None):
     """Status name of a plain cuBLASLt user of the double (no core): op(A) [m, k] op(B) [k, n]
-    with `trans` = (transa, transb); see double_plain_matmul."""
+    with `trans` = (transa, transb); `scaling` (default: 1 if `mx` else 0) as in
+    double_plain_matmul."""
+    scaling = int(mx) if scaling is None else scaling
     status = lib.double_plain_matmul(
-        m, n, k, types[0].encode(), types[1].encode(), *trans, int(mx), workspace_offset
+        m, n, k, types[0].encode(), types[1].encode(), *trans, scaling, workspace_offset
     )
     return status.decode()
 
@@ -124,14 +144,19 @@ class Machine:
         fast_accum=False,
         workspace=None,
         prepare_only=False,
+        tiles=None,
     ):
-        """(LtCode name, message) of the core on these host buffers ([B, M, K], [B, N, K])."""
+        """(LtCode name, message) of the core on these host buffers ([B, M, K], [B, N, K]).
+
+        ``tiles``: None (``mx`` says MX or per-tensor), else a block-FP8 call with 128x128 tiles
+        for ``"rhs"``, ``"lhs"``, ``"both"`` or ``""`` (1x128 blocks on both sides)."""
+        scaling = int(mx) if tiles is None else {"": 2, "rhs": 3, "lhs": 4, "both": 5}[tiles]
         batch, m, k = lhs.shape
         n = rhs.shape[1]
         workspace = aligned(ffi.WORKSPACE_BYTES + 256) if workspace is None else workspace
         message = ctypes.create_string_buffer(1024)
         code = self.lib.core_gemm(
-            self.context, int(prepare_only), device, int(mx), batch, m, n, k,
+            self.context, int(prepare_only), device, scaling, batch, m, n, k,
             lhs.dtype.name.encode(), rhs.dtype.name.encode(), out.dtype.name.encode(),
             lhs.ctypes.data, rhs.ctypes.data, lhs_scale.ctypes.data, rhs_scale.ctypes.data,
             out.ctypes.data, int(fast_accum), workspace.ctypes.data, workspace.nbytes,
@@ -446,3 +471,137 @@ def test_an_unknown_device_is_an_internal_error(machine):
     d = placed(np.zeros((1, 8, 16), np.float32))
     code, message = gpu.gemm(a, b, sa, sb, d, mx=True, device=3)
     assert code == "internal" and message.startswith("cudaDeviceGetAttribute(device 3) failed")
+
+
+# --- block FP8 (VEC128_32F / BLK128x128_32F) ---------------------------------------------------
+
+VEC128, BLK128 = 4, 5  # cublasLtMatmulMatrixScale_t values (cublasLt.h)
+
+
+def block_scales(rng, batch, rows, k, tiled, exponents=(-6, 7)):
+    """Compact float32 scales [B, rows or ceil(rows/128), K/128] (mantissas and exponents vary)
+    and the cuBLASLt buffer: 1x128 [B, K/128, rows]; tiles [B, ceil(rows/128),
+    roundup(K/128, 4)]."""
+    outer = -(-rows // 128) if tiled else rows
+    compact = rng.uniform(0.5, 2.0, (batch, outer, k // 128)) * 2.0 ** rng.integers(
+        *exponents, (batch, outer, 1)
+    )
+    compact = compact.astype(np.float32)
+    if tiled:
+        pad = -compact.shape[-1] % 4
+        layout = np.pad(compact, ((0, 0), (0, 0), (0, pad)))
+    else:
+        layout = compact.swapaxes(-1, -2)
+    return compact, placed(np.ascontiguousarray(layout))
+
+
+def block_values(codes, compact, tiled):
+    """float64 codes times their expanded float32 scales."""
+    rows = codes.shape[1]
+    scale = np.repeat(compact, 128, axis=1)[:, :rows] if tiled else compact
+    return codes.astype(np.float64) * np.repeat(scale.astype(np.float64), 128, axis=-1)
+
+
+BLOCK_CASES = [  # batch, m, n, k, tiles, lhs type, rhs type, out type
+    (1, 64, 256, 512, "rhs", "float8_e4m3fn", "float8_e4m3fn", "bfloat16"),
+    (1, 4, 200, 256, "rhs", "float8_e4m3fn", "float8_e5m2", "float32"),
+    (2, 256, 32, 384, "lhs", "float8_e5m2", "float8_e4m3fn", "float32"),
+    (3, 16, 48, 128, "", "float8_e4m3fn", "float8_e4m3fn", "float16"),
+]
+
+
+@pytest.mark.parametrize("batch,m,n,k,tiles,lhs,rhs,out", BLOCK_CASES)
+def test_block_fp8_gemm_matches_numpy(machine, batch, m, n, k, tiles, lhs, rhs, out):
+    rng = np.random.default_rng(m + n + k)
+    a = placed(random_codes(rng, (batch, m, k), lhs))
+    b = placed(random_codes(rng, (batch, n, k), rhs))
+    exponents = (-14, -6) if out == "float16" else (-6, 7)  # float16: results stay finite
+    sa_compact, sa = block_scales(rng, batch, m, k, tiles in ("lhs", "both"), exponents)
+    sb_compact, sb = block_scales(rng, batch, n, k, tiles in ("rhs", "both"), exponents)
+    d = placed(np.zeros((batch, m, n), OUT[out]))
+    gpu = machine((90,), 120900)
+    assert gpu.gemm(a, b, sa, sb, d, mx=False, tiles=tiles) == ("ok", "")
+    x = block_values(a, sa_compact, tiles in ("lhs", "both"))
+    y = block_values(b, sb_compact, tiles in ("rhs", "both"))
+    exact = np.einsum("bmk,bnk->bmn", x, y)
+    assert_close(d, exact, np.einsum("bmk,bnk->bmn", abs(x), abs(y)), k, out)
+    records = gpu.matmuls()
+    assert len(records) == batch and all(r.batch_count == 1 for r in records)  # one per element
+    modes = {"": (VEC128, VEC128), "rhs": (BLK128, VEC128), "lhs": (VEC128, BLK128)}[tiles]
+    assert all((r.a_scale_mode, r.b_scale_mode) == modes for r in records)  # A = rhs
+
+
+def test_block_fp8_needs_hopper_and_cublaslt_12_9(lib, machine):
+    e4 = "float8_e4m3fn"
+    a, b = placed(np.zeros((1, 16, 256), FP8[e4])), placed(np.zeros((1, 16, 256), FP8[e4]))
+    s = placed(np.ones((64,), np.float32))
+    d = placed(np.zeros((1, 16, 16), np.float32))
+    for cc in (89, 100, 120):
+        code, message = machine((cc,), 130100).gemm(a, b, s, s, d, mx=False, tiles="rhs")
+        assert code == "failed_precondition" and "runs on compute capability 9.x" in message
+    code, message = machine((90,), 120804).gemm(a, b, s, s, d, mx=False, tiles="rhs")
+    assert code == "failed_precondition" and "cuBLASLt 12.8.4 is loaded" in message
+    # the double refuses the same, and takes the three documented combinations on sm_90
+    for cc, version, scaling, status in [
+        (90, 120900, 2, "CUBLAS_STATUS_SUCCESS"),
+        (90, 120900, 3, "CUBLAS_STATUS_SUCCESS"),
+        (90, 120900, 4, "CUBLAS_STATUS_SUCCESS"),
+        (90, 120900, 5, "CUBLAS_STATUS_NOT_SUPPORTED"),
+        (100, 130100, 3, "CUBLAS_STATUS_NOT_SUPPORTED"),
+        (90, 120804, 3, "CUBLAS_STATUS_NOT_SUPPORTED"),
+    ]:
+        machine((cc,), version)
+        assert plain_matmul(lib, 32, 32, 256, (e4, e4), scaling=scaling) == status, (cc, scaling)
+    machine((90,), 120900)
+    assert plain_matmul(lib, 32, 32, 256, (e4, e4), (0, 0), scaling=3) != "CUBLAS_STATUS_SUCCESS"
+    assert lib.double_refusal() == b"only TN on this architecture"
+
+
+def test_block_fp8_shape_rules(lib, machine):
+    e4 = "float8_e4m3fn"
+    gpu = machine((90,), 120900)
+    s = placed(np.ones((4096,), np.float32))
+
+    def run(m, n, k, tiles):
+        a, b = placed(np.zeros((1, m, k), FP8[e4])), placed(np.zeros((1, n, k), FP8[e4]))
+        return gpu.gemm(a, b, s, s, placed(np.zeros((1, m, n), np.float32)), mx=False, tiles=tiles)
+
+    code, message = run(16, 16, 192, "rhs")
+    assert code == "invalid_argument" and "K must be a multiple of 128" in message
+    code, message = run(16, 128, 256, "both")
+    assert code == "unimplemented" and "no 128x128 x 128x128" in message
+    code, message = run(6, 16, 256, "rhs")  # the 1x128 lhs scale matrix [K/128, 6]
+    assert code == "invalid_argument" and "lhs rows M must be a multiple of 4" in message
+    assert run(6, 16, 256, "lhs") == ("ok", "")  # tiles: any row count
+    # the double: K % 128; the 1x128 scales of op(B) [k, 30] have 30 rows (not 16-byte columns)
+    assert plain_matmul(lib, 32, 32, 192, (e4, e4), scaling=2) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    assert plain_matmul(lib, 32, 30, 256, (e4, e4), scaling=2) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    assert plain_matmul(lib, 32, 30, 256, (e4, e4), scaling=4) == "CUBLAS_STATUS_SUCCESS"
+
+
+def test_headers_without_the_block_fp8_modes_build_a_core_that_refuses_block_fp8(
+    tmp_path_factory,
+):
+    """cuBLASLt headers older than 12.9: the core must compile without the two enum names (any
+    use of them is made an undeclared identifier here) and refuse block FP8 at run time."""
+    shim = tmp_path_factory.mktemp("cublaslt_12_8_headers")
+    (shim / "cublasLt.h").write_text(
+        "#include_next <cublasLt.h>\n"
+        "#undef CUBLAS_VERSION\n"
+        "#define CUBLAS_VERSION 120800\n"
+        "#define CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F not_in_cublaslt_12_8_headers\n"
+        "#define CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F not_in_cublaslt_12_8_headers\n"
+    )
+    old = build(str(shim), core_includes=(str(shim),))
+    gpu = Machine(old, (90,), 130100)
+    try:
+        e4 = FP8["float8_e4m3fn"]
+        a, b = placed(np.zeros((1, 16, 256), e4)), placed(np.zeros((1, 16, 256), e4))
+        s = placed(np.ones((64,), np.float32))
+        code, message = gpu.gemm(a, b, s, s, placed(np.zeros((1, 16, 16), np.float32)),
+                                 mx=False, tiles="rhs")  # fmt: skip
+        assert code == "unimplemented" and "headers older than 12.9" in message
+        d = placed(np.zeros((1, 16, 16), np.float32))
+        assert gpu.gemm(a, b, s, s, d, mx=False) == ("ok", "")  # per-tensor FP8 still runs
+    finally:
+        gpu.close()

@@ -1,10 +1,10 @@
 """GEMM backends: which exist, which are available here, and what ``"auto"`` runs on each platform.
 
 - ``"emulate"``: exact decode + ``lax.dot_general`` with float32 accumulation; every platform.
-- ``"ffi"``: the native custom call: cuBLASLt block-scaled matmul on CUDA devices of compute
-  capability >= 10.0 (MXFP8 formats only), the extension's C++ twin on the CPU.
-- ``"auto"``: per lowering platform: ``"ffi"`` on CUDA where cuBLASLt MX GEMMs run and every
-  operand format is native, ``"emulate"`` everywhere else (the CPU included, so a CPU-placed
+- ``"ffi"``: the native custom calls: cuBLASLt block-scaled matmul on CUDA devices (MXFP8 formats
+  on compute capability >= 10.0, block FP8 on 9.x), the extension's C++ twins on the CPU.
+- ``"auto"``: per lowering platform: ``"ffi"`` on CUDA where cuBLASLt runs the operands' format
+  family (MX or block FP8), ``"emulate"`` everywhere else (the CPU included, so a CPU-placed
   computation on a GPU host is emulated).
 
 Example:
@@ -13,7 +13,7 @@ Example:
     >>> per_platform("emulate", ("mxfp8_e4m3",))
     {'default': 'emulate'}
     >>> sorted(jaxmx.backends())
-    ['cublaslt', 'emulate', 'ffi-cpu']
+    ['cublaslt', 'cublaslt-block-fp8', 'emulate', 'ffi-cpu', 'native-recipes']
 """
 
 from __future__ import annotations
@@ -32,13 +32,33 @@ NATIVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2")
 has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3)."""
 
 
+BLOCK_FP8_FORMATS = ("fp8_e4m3_block", "fp8_e5m2_block")
+"""The formats the native block-FP8 GEMM takes (1x128 blocks or 128x128 tiles, float32 scales),
+in any pair but E5M2 x E5M2."""
+
+_E5M2 = ("mxfp8_e5m2", "fp8_e5m2_block")
+
+
+def native_family(formats: tuple[str, ...]) -> str | None:
+    """``"mx"`` or ``"block_fp8"``: the native GEMM that takes operands of these formats, or None
+    (formats of no native GEMM or of two, or E5M2 x E5M2, which cuBLASLt has no kernel for)."""
+    if not formats or all(f in _E5M2 for f in formats):
+        return None
+    for family, members in (("mx", NATIVE_FORMATS), ("block_fp8", BLOCK_FP8_FORMATS)):
+        if all(f in members for f in formats):
+            return family
+    return None
+
+
 def native_pair(formats: tuple[str, ...]) -> bool:
-    """Whether the native MX GEMM takes operands of these formats."""
-    return all(f in NATIVE_FORMATS for f in formats) and set(formats) != {"mxfp8_e5m2"}
+    """Whether a native GEMM (MX or block FP8) takes operands of these formats."""
+    return native_family(formats) is not None
 
 
 _MX_COMPUTE_CAPABILITY = (10, 0)
 _MIN_CUBLASLT = 120800  # MX block scaling (VEC32_UE8M0) arrived in cuBLASLt 12.8
+_BLOCK_FP8_MAJOR = 9  # VEC128_32F / BLK128x128_32F: Hopper
+_MIN_CUBLASLT_BLOCK_FP8 = 120900
 
 
 def check_backend(backend: str) -> str:
@@ -52,21 +72,28 @@ def per_platform(backend: str, formats: tuple[str, ...]) -> dict[str, str]:
     """The backend that runs on each lowering platform: ``{"default": ..., "cuda": ...}``.
 
     ``"cuda"`` is present only where it differs from the default, i.e. for ``"auto"`` on a host
-    whose CUDA device runs the native MX GEMM, for ``formats`` it takes (:func:`native_pair`).
+    whose CUDA device runs the native GEMM of the ``formats``' family (:func:`native_family`).
     """
     check_backend(backend)
     if backend != "auto":
         return {"default": backend}
-    if native_pair(formats) and cublaslt_supported():
+    family = native_family(formats)
+    if family is not None and _family_supported(family):
         return {"default": "emulate", "cuda": "ffi"}
     return {"default": "emulate"}
+
+
+def _family_supported(family: str) -> bool:
+    return cublaslt_supported() if family == "mx" else block_fp8_supported()
 
 
 def backends() -> dict[str, str]:
     """Each GEMM backend mapped to ``"available"`` or the reason it is not on this machine.
 
-    Keys: ``"emulate"`` (pure JAX, always there), ``"ffi-cpu"`` (the C++ CPU handler) and
-    ``"cublaslt"`` (the native MX GEMM on the default CUDA device).
+    Keys: ``"emulate"`` (pure JAX, always there), ``"ffi-cpu"`` (the C++ CPU handlers),
+    ``"cublaslt"`` (the native MX GEMM on the default CUDA device), ``"cublaslt-block-fp8"``
+    (the native block-FP8 GEMM there) and ``"native-recipes"``: the built-in recipes whose GEMMs
+    ``backend="auto"`` runs natively on that device, or ``"none (...)"``.
 
     Example:
         >>> import jaxmx
@@ -77,7 +104,26 @@ def backends() -> dict[str, str]:
         "emulate": "available",
         "ffi-cpu": extension.cpu_status(),
         "cublaslt": _cublaslt_status(),
+        "cublaslt-block-fp8": _block_fp8_status(),
+        "native-recipes": _native_recipes(),
     }
+
+
+def _native_recipes() -> str:
+    from jaxmx import recipes  # recipes import this module
+
+    named = {name: getattr(recipes, name) for name in recipes.__all__}
+    native = [
+        name
+        for name, r in named.items()
+        if isinstance(r, recipes.Recipe)
+        and r.accum_bits is None
+        and (family := native_family((r.fwd, r.grad))) is not None
+        and _family_supported(family)
+    ]
+    if not native:
+        return "none (every recipe is emulated on this machine)"
+    return ", ".join(native) + " (cuBLASLt)"
 
 
 def cublaslt_supported() -> bool:
@@ -85,23 +131,17 @@ def cublaslt_supported() -> bool:
     return _cublaslt_status() == "available"
 
 
+def block_fp8_supported() -> bool:
+    """Whether the native block-FP8 GEMM runs on cuBLASLt here (``backend="auto"`` on CUDA)."""
+    return _block_fp8_status() == "available"
+
+
 @functools.cache
 def _cublaslt_status() -> str:
-    ext, reason = extension.load()
-    if ext is None:
+    device, reason = _cuda_device()
+    if device is None:
         return reason
-    if not ext.has_cuda:
-        return (
-            "extension built without cuBLASLt (no CUDA headers found at build time; "
-            "see docs/native.md)"
-        )
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return "no CUDA GPU"
-    if not devices:
-        return "no CUDA GPU"
-    cc = compute_capability(devices[0])
+    cc = compute_capability(device)
     if cc is None:
         return "could not read the CUDA device's compute capability"
     if cc < _MX_COMPUTE_CAPABILITY:
@@ -109,13 +149,56 @@ def _cublaslt_status() -> str:
             f"device has compute capability {cc[0]}.{cc[1]}; MX block scaling needs >= "
             f"{_MX_COMPUTE_CAPABILITY[0]}.{_MX_COMPUTE_CAPABILITY[1]}"
         )
-    libs = ext.cuda_libraries()
+    return _cublaslt_version_status(_MIN_CUBLASLT, "MX block scaling")
+
+
+@functools.cache
+def _block_fp8_status() -> str:
+    device, reason = _cuda_device()
+    if device is None:
+        return reason
+    cc = compute_capability(device)
+    if cc is None:
+        return "could not read the CUDA device's compute capability"
+    if cc[0] != _BLOCK_FP8_MAJOR:
+        return (
+            f"device has compute capability {cc[0]}.{cc[1]}; cuBLASLt's block-FP8 scaling "
+            f"(1x128 / 128x128 float32 scales) runs on {_BLOCK_FP8_MAJOR}.x (Hopper)"
+        )
+    return _cublaslt_version_status(_MIN_CUBLASLT_BLOCK_FP8, "block-FP8 scaling")
+
+
+def _cublaslt_version_status(minimum: int, what: str) -> str:
+    libs = extension.load()[0].cuda_libraries()
     if not libs["loaded"]:
         return libs["error"]
-    if libs["cublaslt_version"] < _MIN_CUBLASLT:
-        v = libs["cublaslt_version"]
-        return f"cuBLASLt {v // 10000}.{v % 10000 // 100} is loaded; MX block scaling needs >= 12.8"
+    v = libs["cublaslt_version"]
+    if v < minimum:
+        return (
+            f"cuBLASLt {v // 10000}.{v % 10000 // 100} is loaded; {what} needs >= "
+            f"{minimum // 10000}.{minimum % 10000 // 100}"
+        )
     return "available"
+
+
+def _cuda_device():
+    """(the default CUDA device, "") where the extension has cuBLASLt handlers and there is one,
+    else (None, why not)."""
+    ext, reason = extension.load()
+    if ext is None:
+        return None, reason
+    if not ext.has_cuda:
+        return None, (
+            "extension built without cuBLASLt (no CUDA headers found at build time; "
+            "see docs/native.md)"
+        )
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None, "no CUDA GPU"
+    if not devices:
+        return None, "no CUDA GPU"
+    return devices[0], ""
 
 
 def compute_capability(device) -> tuple[int, int] | None:

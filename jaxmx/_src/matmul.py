@@ -21,7 +21,7 @@ from jax import lax
 from jaxmx._src import native
 from jaxmx._src.accumulation import Accumulation, limited_matmul
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.backends import per_platform
+from jaxmx._src.backends import BLOCK_FP8_FORMATS, per_platform
 from jaxmx._src.dequantized import dequantized_matmul
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
@@ -44,9 +44,10 @@ def matmul(
             along K (its axis -2: a columnwise copy kept untransposed).
         b: [..., N, K] or [..., K, N] likewise, with the same leading (batch) shape as ``a``.
         out_dtype: bfloat16 (default), float16 or float32: the dtype of the result [..., M, N].
-        backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs MX
-            GEMMs and both formats are native, else the emulation), ``"emulate"`` (any device)
-            or ``"ffi"`` (the native custom call).
+        backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs the
+            operands' format family natively, MX or block FP8, else the emulation),
+            ``"emulate"`` (any device) or ``"ffi"`` (the native custom call:
+            :func:`jaxmx.ffi.mx_matmul` or :func:`jaxmx.ffi.block_fp8_matmul`).
         accum_bits, promote_every: a modelled limited-precision accumulator (the emulation only,
             as :attr:`jaxmx.Recipe.accum_bits`); ``None``: float32 accumulation.
 
@@ -62,6 +63,8 @@ def matmul(
         check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
     if accum_bits is not None or promote_every is not None:
         return _limited(a, b, out_dtype, backend, accum_bits, promote_every)
+    if backend == "auto" and not (_native_tiles(a) and _native_tiles(b)):
+        backend = "emulate"
     runners = {
         platform: _RUNNERS[name] for platform, name in per_platform(backend, (a.fmt, b.fmt)).items()
     }
@@ -97,7 +100,18 @@ def _untileable(q: MXArray) -> bool:
 
 
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
+    if a.fmt in BLOCK_FP8_FORMATS or b.fmt in BLOCK_FP8_FORMATS:
+        return native.block_fp8_matmul(_tn(a), _tn(b), out_dtype)
     return native.mx_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
+
+
+def _native_tiles(q: MXArray) -> bool:
+    """Whether the native GEMM takes ``q``'s tiles: 128x128 for block FP8, block-wide for MX."""
+    if q.tile is None:
+        return True
+    if q.fmt in BLOCK_FP8_FORMATS:
+        return q.tile == (native.BLOCK_TILE, native.BLOCK_TILE)
+    return _untileable(q)
 
 
 _RUNNERS = {"emulate": _emulate, "ffi": _native}

@@ -1,6 +1,6 @@
 """The native GEMMs: XLA FFI custom calls into the ``jaxmx._ffi`` extension.
 
-Two custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
+Three custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
 (built when the CUDA headers were found, see docs/native.md):
 
 - ``jaxmx_mx_matmul``: MXFP8 operands (E4M3 / E5M2 codes, one E8M0 scale per 32 elements along
@@ -8,11 +8,14 @@ Two custom-call targets, each with a CPU handler (plain C++, always built) and a
   needs compute capability >= 10.0 and CUDA >= 12.8.
 - ``jaxmx_fp8_matmul``: FP8 operands with one float32 scale per tensor (cuBLASLt
   ``SCALAR_32F``, compute capability >= 8.9, so Hopper too).
+- ``jaxmx_block_fp8_matmul``: block-FP8 operands (``fp8_e4m3_block`` / ``fp8_e5m2_block``: one
+  float32 scale per 1x128 block along K, or per 128x128 tile for one of the operands); cuBLASLt
+  ``VEC128_32F`` / ``BLK128x128_32F`` scaling, compute capability 9.x and CUDA >= 12.9.
 
-Both take TN operands, ``a`` [..., M, K] and ``b`` [..., N, K], and return
-``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. Both are
-jitted (one compiled call per shape when called eagerly), vmappable, and partitioned under SPMD
-(the MX GEMM by :mod:`jaxmx._src.partitioning`).
+All take TN operands, ``a`` [..., M, K] and ``b`` [..., N, K], and return
+``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. All are
+jitted (one compiled call per shape when called eagerly) and vmappable; the MX and block-FP8
+GEMMs are partitioned under SPMD by :mod:`jaxmx._src.partitioning`.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -35,17 +38,18 @@ from jax.interpreters import mlir
 
 from jaxmx._src import bits, extension
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.backends import NATIVE_FORMATS, native_pair
+from jaxmx._src.backends import BLOCK_FP8_FORMATS, NATIVE_FORMATS, native_pair
 from jaxmx._src.batching import vmappable
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import FORMATS
-from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, untiled
 from jaxmx._src.partitioning import partitioned_gemm
 from jaxmx._src.swizzle import swizzle_scales
 from jaxmx._src.vma import vary_like
 
 MX_TARGET = "jaxmx_mx_matmul"
 FP8_TARGET = "jaxmx_fp8_matmul"
+BLOCK_FP8_TARGET = "jaxmx_block_fp8_matmul"
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
 """cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only), plus
@@ -93,20 +97,25 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
 
 
 def _check_mx_operand(q, name: str) -> MXArray:
-    q = checked(q, f"mx_matmul: {name}")
-    if q.fmt not in NATIVE_FORMATS:
+    return _check_tn_operand(q, name, "mx_matmul", NATIVE_FORMATS)
+
+
+def _check_tn_operand(q, name: str, fn: str, formats: tuple[str, ...]) -> MXArray:
+    """``q`` checked as a TN operand ([..., rows, K] blocked along K) of one of ``formats``."""
+    q = checked(q, f"{fn}: {name}")
+    if q.fmt not in formats:
         raise NotImplementedError(
-            f"mx_matmul: {name} is {q.fmt}, which the native GEMM does not support "
-            f"(supported: {', '.join(NATIVE_FORMATS)}); use the emulation backend"
+            f"{fn}: {name} is {q.fmt}, which this native GEMM does not support "
+            f"(supported: {', '.join(formats)}); use the emulation backend"
         )
     if q.ndim < 2 or q.axis != q.ndim - 1:
         raise ValueError(
-            f"mx_matmul: {name} must be [..., rows, K] quantized along its last axis (TN form), "
+            f"{fn}: {name} must be [..., rows, K] quantized along its last axis (TN form), "
             f"got axis {q.axis} of logical shape {q.shape}; quantize the transposed tensor "
             "(jaxmx.quantize_rowwise_colwise gives both copies)"
         )
     k = ReducedAxis(q.data_axis, "K", "the contracting dimension")
-    check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
+    check_block_alignment(q.data, f"jaxmx.ffi.{fn}", name, (k,), q.format.block)
     return q
 
 
@@ -158,6 +167,124 @@ def _pad_rows(data, scale, multiple: int):
         if scale.ndim == data.ndim:
             scale = jnp.pad(bits.as_bytes(scale), widths)
     return data, scale, n
+
+
+# --- block-FP8 GEMM ----------------------------------------------------------------------------
+
+BLOCK_TILE = 128
+"""Block FP8: scales per 1x128 block along K, or per 128x128 tile."""
+
+
+def block_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
+    """``a @ b^T`` for block-FP8 operands in TN form, on the native custom call.
+
+    Args:
+        a: [..., M, K] quantized along its last axis (``fp8_e4m3_block`` or ``fp8_e5m2_block``),
+            in 1x128 blocks or 128x128 tiles (``tile=(128, 128)``).
+        b: [..., N, K] likewise, same leading (batch) dims and K. E5M2 x E5M2 is not offered
+            (cuBLASLt has no such FP8 kernel).
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        [..., M, N] in ``out_dtype``, accumulated in float32. cuBLASLt (compute capability 9.x,
+        CUDA >= 12.9) takes 1x128 x 1x128, 1x128 x 128x128 and 128x128 x 1x128 scales: a tiled
+        operand goes as 128x128 tiles when its rows are whole tiles (if both do, only ``b``),
+        otherwise as 1x128 blocks with each tile's scale repeated over its rows (the same
+        numbers). Works under ``jit``, ``vmap`` and SPMD partitioning.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> from jaxmx import ffi
+        >>> a = jaxmx.quantize(jnp.ones((2, 256)), "fp8_e4m3_block")
+        >>> b = jaxmx.quantize(jnp.full((3, 256), 0.5), "fp8_e4m3_block", tile=(128, 128))
+        >>> ffi.block_fp8_matmul(a, b, jnp.float32).tolist()
+        [[128.0, 128.0, 128.0], [128.0, 128.0, 128.0]]
+    """
+    a = _check_block_operand(a, "a")
+    b = _check_block_operand(b, "b")
+    if not native_pair((a.fmt, b.fmt)):
+        raise NotImplementedError(
+            "block_fp8_matmul: fp8_e5m2_block x fp8_e5m2_block is not supported by the native "
+            "GEMM (cuBLASLt has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3); use the emulation "
+            "backend, or E4M3 for one operand"
+        )
+    check_gemm_pair(a, b, "block_fp8_matmul")
+    out_dtype = check_float_dtype(out_dtype, "block_fp8_matmul: out_dtype")
+    extension.register_targets()
+    a_tiles, b_tiles = _whole_tiles(a), _whole_tiles(b) and not _whole_tiles(a)
+    a, b = untiled(a), untiled(b)
+    call = _block_call(out_dtype, a_tiles, b_tiles)
+    return call(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
+
+
+def _check_block_operand(q, name: str) -> MXArray:
+    q = _check_tn_operand(q, name, "block_fp8_matmul", BLOCK_FP8_FORMATS)
+    if q.tile not in (None, (BLOCK_TILE, BLOCK_TILE)):
+        raise ValueError(
+            f"block_fp8_matmul: {name} has {q.tile} tiles; the native GEMM takes 1x128 blocks "
+            f"or ({BLOCK_TILE}, {BLOCK_TILE}) tiles (use the emulation backend for other tiles)"
+        )
+    return q
+
+
+def _whole_tiles(q: MXArray) -> bool:
+    """Whether ``q`` can go to cuBLASLt as 128x128 tiles: tiled, its rows whole tiles (so that
+    under vmap, which folds a batch into the rows, and per shard the tiles stay aligned)."""
+    return q.tile is not None and q.shape[-2] % BLOCK_TILE == 0
+
+
+@functools.cache
+def _block_call(out_dtype, a_tiles: bool, b_tiles: bool):
+    # Operands travel as 1x128 blocks (tile scales repeated over their rows), so vmap and SPMD
+    # treat them like MX operands; each shard takes back one scale row per tile where it can.
+    per_shard = functools.partial(_block_per_shard, tiles=(a_tiles, b_tiles))
+    gemm = partitioned_gemm(per_shard, out_dtype, "jaxmx.ffi.block_fp8_matmul", BLOCK_TILE)
+    return jax.jit(vmappable(gemm, fold=(True, False, True, False)))
+
+
+@functools.cache
+def _block_per_shard(out_dtype, tiles: tuple[bool, bool] = (False, False)):
+    """The custom call on (one device's) operands [..., rows, K] and their per-row scales
+    [..., rows, K/128]: scales laid out as cuBLASLt wants them, then the call."""
+
+    def impl(a_data, b_data, a_scale, b_scale):
+        # a shard whose rows do not start and end on tile boundaries keeps 1x128 blocks
+        a_tiled = tiles[0] and a_data.shape[-2] % BLOCK_TILE == 0
+        b_tiled = tiles[1] and b_data.shape[-2] % BLOCK_TILE == 0
+
+        def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+            n = b_data.shape[-2]
+            a_data, a_scale = _block_operand(a_data, a_scale, a_tiled, n_multiple)
+            b_data, b_scale = _block_operand(b_data, b_scale, b_tiled, n_multiple)
+            return (a_data, b_data, a_scale, b_scale), n
+
+        return _custom_call(
+            BLOCK_FP8_TARGET,
+            "block_fp8_matmul",
+            out_dtype,
+            prepare,
+            a_data,
+            b_data,
+            a_scale,
+            b_scale,
+            attributes={"lhs_tiled": a_tiled, "rhs_tiled": b_tiled},
+        )
+
+    return impl
+
+
+def _block_operand(data, scale, tiled: bool, row_multiple: int):
+    """Codes and float32 scales in cuBLASLt's block-FP8 layouts (ffi/layout.h).
+
+    1x128 blocks: rows padded with zeros to ``row_multiple``, scales ``[..., K/128, rows]``
+    (rows contiguous). 128x128 tiles: scales ``[..., rows/128, roundup(K/128, 4)]``, one row per
+    tile (the per-row scales are constant over each tile), zero-padded.
+    """
+    if tiled:
+        pad = [(0, 0)] * (scale.ndim - 1) + [(0, -scale.shape[-1] % 4)]
+        return data, jnp.pad(scale[..., ::BLOCK_TILE, :], pad)
+    pad = [(0, 0)] * (data.ndim - 2) + [(0, -data.shape[-2] % row_multiple), (0, 0)]
+    return jnp.pad(data, pad), jnp.pad(scale, pad).swapaxes(-1, -2)
 
 
 # --- per-tensor FP8 GEMM --------------------------------------------------------------------
@@ -277,8 +404,9 @@ def _custom_call(target: str, fn: str, out_dtype, prepare, *args, attributes=Non
                     jax.ShapeDtypeStruct((workspace,), jnp.uint8),
                 ),
             )(*operands, **(attributes or {}))
-            # inside shard_map: varying like the operands (ffi_call results are not)
-            return vary_like(out[..., :n], *args)
+            # the operands' rows, padded for cuBLASLt, sliced back; inside shard_map: varying
+            # like the operands (ffi_call results are not)
+            return vary_like(out[..., : args[0].shape[-2], :n], *args)
 
         return run
 

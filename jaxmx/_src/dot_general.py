@@ -47,7 +47,10 @@ from jaxmx._src.alignment import (
     named_sharding,
     shards,
 )
+from jaxmx._src.backends import per_platform
 from jaxmx._src.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.emulate import emulated_matmul
+from jaxmx._src.fake_quantize import quantize_to_grid
 from jaxmx._src.formats import get_format
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray
@@ -237,13 +240,13 @@ def _forward(static: _Static, x, w, key, training: bool):
         keys.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
-    y = matmul(_rowwise(x, r.fwd, r), _rowwise(w, r.fwd, r), static.out_dtype, r.backend)
+    y = _gemm(r, _Operand(x, r.fwd, -1), _Operand(w, r.fwd, -1), static.out_dtype)
     if not training:
         return y, None
     if r.residuals == "quantized":
         saved = (
-            _named(_colwise(x, r.fwd, r), LHS_COLWISE),
-            _named(_colwise(w, r.fwd, r), RHS_COLWISE),
+            _named(_quantize(x, r.fwd, -2, r.scale_mode, False), LHS_COLWISE),
+            _named(_quantize(w, r.fwd, -2, r.scale_mode, False), RHS_COLWISE),
         )
     else:
         saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
@@ -256,12 +259,12 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:
-        x_col, w_col = _colwise(x_saved, r.fwd, r), _colwise(w_saved, r.fwd, r)
+        x_col, w_col = _Operand(x_saved, r.fwd, -2), _Operand(w_saved, r.fwd, -2)
     row_key, col_key = keys.copy_keys(key)
-    g_row = _rowwise(g, r.grad, r, row_key)  # [B, M, N] along N
-    g_col = _colwise(g, r.grad, r, col_key)  # along M
-    dx = matmul(g_row, w_col, static.lhs_dtype, r.backend)  # [B, M, K], reduces N
-    dw = matmul(g_col, x_col, static.rhs_dtype, r.backend)  # [B, N, K], reduces M
+    g_row = _Operand(g, r.grad, -1, row_key)  # [B, M, N] along N
+    g_col = _Operand(g, r.grad, -2, col_key)  # along M
+    dx = _gemm(r, g_row, w_col, static.lhs_dtype)  # [B, M, K], reduces N
+    dw = _gemm(r, g_col, x_col, static.rhs_dtype)  # [B, N, K], reduces M
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
 
 
@@ -297,18 +300,48 @@ _AXES = {  # canonical axis -> (what it is, a hint), for BlockShardingError mess
 }
 
 
+class _Operand(NamedTuple):
+    """A high-precision GEMM operand [B, rows, K] (``axis=-1``) or [B, K, rows] (``axis=-2``,
+    a columnwise copy kept in place: the GEMM contracts it K-first), quantized where used."""
+
+    x: jax.Array
+    fmt: str
+    axis: int
+    key: jax.Array | None = None
+
+
+def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) -> jax.Array:
+    """The MX GEMM of two operands, each an MXArray (a residual) or an :class:`_Operand`.
+
+    Where the emulation runs, an ``_Operand`` is quantized straight to element values
+    (:func:`~jaxmx._src.fake_quantize.quantize_to_grid`): it is quantized only to be decoded
+    again, and skipping the codes gives the same result, bit for bit, in less time.
+    """
+    runners = per_platform(r.backend, (a.fmt, b.fmt))
+
+    def run(backend: str):
+        def operand(q):
+            if isinstance(q, MXArray):
+                return q
+            return _quantize(q.x, q.fmt, q.axis, r.scale_mode, backend == "emulate", q.key)
+
+        if backend == "emulate":
+            return lambda: emulated_matmul(operand(a), operand(b), out_dtype)
+        return lambda: matmul(operand(a), operand(b), out_dtype, backend)
+
+    if len(runners) == 1:
+        return run(runners["default"])()
+    return lax.platform_dependent(**{p: run(backend) for p, backend in runners.items()})
+
+
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
 # under an outer jit they inline. (Jitting _mx_bmm as a whole would hide the residual names from
 # remat policies.)
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _rowwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
-    return quantize(x, fmt, axis=-1, scale_mode=r.scale_mode, key=key)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _colwise(x, fmt: str, r: Recipe, key=None) -> MXArray:
-    """x [B, M, K] quantized along M, kept in place (the GEMM contracts it K-first)."""
-    return quantize(x, fmt, axis=-2, scale_mode=r.scale_mode, key=key)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(x, fmt: str, axis: int, scale_mode: str, to_grid: bool, key=None):
+    """``x`` quantized along ``axis``: an MXArray, or with ``to_grid`` a GridArray."""
+    quantizer = quantize_to_grid if to_grid else quantize
+    return quantizer(x, fmt, axis=axis, scale_mode=scale_mode, key=key)
 
 
 def _named(q: MXArray, name: str) -> MXArray:

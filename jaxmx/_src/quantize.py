@@ -107,11 +107,15 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     inner = math.prod(q.data.shape[axis + 1 :])
     values = decode_elements(q.data, f).reshape(outer, n_blocks, f.block, inner)
     byte = scale_exponent_bytes(q.scale).reshape(outer, n_blocks, 1, inner)
-    k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
-    out = bits.ldexp_exact(values, k)
-    out = jnp.where(byte == bits.E8M0_NAN, jnp.nan, out).reshape(q.data.shape)
+    out = scale_back(values, byte).reshape(q.data.shape)
     out = lax.slice_in_dim(out, 0, q.shape[q.axis], axis=axis)
     return out.astype(dtype)
+
+
+def scale_back(values: jax.Array, byte: jax.Array) -> jax.Array:
+    """``values * 2^(byte - 127)`` exactly (subnormals included), NaN where ``byte`` is 0xFF."""
+    k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
+    return jnp.where(byte == bits.E8M0_NAN, jnp.nan, bits.ldexp_exact(values, k))
 
 
 def quantize_rowwise_colwise(
@@ -206,6 +210,18 @@ def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 
 def _quantize_blocks(xb, f: Format, scale_mode: str, key):
+    byte, values = scaled_blocks(xb, f, scale_mode, key)
+    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return _encode(values, f), jnp.squeeze(scale, axis=2)
+
+
+def scaled_blocks(xb, f: Format, scale_mode: str, key):
+    """(E8M0 bytes [outer, n_blocks, 1, inner] int32, elements divided by their scale and clamped
+    to ``±elem_max``, rounded stochastically with ``key``) of ``xb`` = :func:`blocked`'s output.
+
+    The elements are not yet rounded to the element grid (unless ``key`` rounded them): the
+    quantizer encodes them (round to nearest even), the fake quantizer rounds them in float32.
+    """
     x_bits = bits.to_bits(xb)
     magnitude_bits = x_bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
 
@@ -225,9 +241,7 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
     scaled = bits.scale_by_pow2(xb, -exponent)
     if key is not None:
         scaled = _round_stochastically(scaled, f, key)
-    elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
-    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
-    return elements, jnp.squeeze(scale, axis=2)
+    return byte, jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
 def _round_up(amax_bits, f: Format, scale_mode: str):

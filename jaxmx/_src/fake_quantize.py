@@ -41,6 +41,7 @@ from jaxmx._src.quantize import (
     normalize_axis,
     scale_back,
     scaled_blocks,
+    uniform_noise,
 )
 
 
@@ -115,7 +116,8 @@ def quantize_to_grid(
     check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
     if key is not None:
         key = _check_key(key)
-    byte, values = scaled_blocks(blocked(x, axis, f.block), f, scale_mode, key)
+    xb = blocked(x, axis, f.block)
+    byte, values = scaled_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return GridArray(
         data=round_to_grid(values, f).reshape(padded_shape(x.shape, axis, f.block)),

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -19,11 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src import bits
+from jaxmx._src import bits, pallas_quantize
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
 from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, swap_last_axes
+from jaxmx._src.pallas_quantize import resolve_impl
+from jaxmx._src.swizzle import swizzle_scales
 
 
 def quantize(
@@ -33,6 +36,7 @@ def quantize(
     scale_mode: str = "rceil",
     *,
     key: jax.Array | None = None,
+    impl: str = "auto",
 ) -> MXArray:
     """Quantizes ``x`` in blocks of 32 consecutive elements along ``axis``.
 
@@ -44,6 +48,8 @@ def quantize(
             :data:`jaxmx.formats.SCALE_MODES`.
         key: a PRNG key to round elements stochastically (unbiased); ``None`` rounds to nearest
             even.
+        impl: ``"auto"`` (default: the Pallas kernel on a GPU, XLA elsewhere), ``"xla"`` or
+            ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes either way.
 
     Returns:
         An :class:`MXArray`. A block that holds a NaN or an infinity gets the NaN scale (0xFF) and
@@ -65,8 +71,11 @@ def quantize(
     check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
     if key is not None:
         key = _check_key(key)
-    xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
-    data, scale = _quantize_blocks(xb, f, scale_mode, key)
+    if resolve_impl(impl) == "pallas":
+        data, scale = _pallas_quantize(x, f, axis, scale_mode, key)
+    else:
+        xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+        data, scale = _quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
     return MXArray(
         data=data.reshape(padded_shape(x.shape, axis, f.block)),
         scale=scale.reshape(scale_shape(x.shape, axis, f.block)),
@@ -124,12 +133,23 @@ def quantize_rowwise_colwise(
     scale_mode: str = "rceil",
     *,
     key: jax.Array | None = None,
-) -> tuple[MXArray, MXArray]:
+    impl: str = "auto",
+    swizzled_scales: bool = False,
+):
     """Both MX copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
+
+    Args:
+        x, fmt, scale_mode, key: as for :func:`quantize`.
+        impl: ``"auto"`` (default: the fused Pallas kernel on a GPU, XLA elsewhere), ``"xla"``
+            or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both copies;
+            compiled on a GPU, interpreted on the CPU). The same bytes either way.
+        swizzled_scales: also return both copies' scales in the cuBLAS 128x4 layout (as
+            :func:`jaxmx.swizzle_scales` gives them), written by the same kernel.
 
     Returns:
         ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
         ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
+        With ``swizzled_scales``, ``(row, col_t, row_swizzled, col_t_swizzled)``.
         With ``key``, the two copies round with ``split(key)``'s two keys.
 
     Example:
@@ -137,16 +157,27 @@ def quantize_rowwise_colwise(
         >>> row, col_t = jaxmx.quantize_rowwise_colwise(jnp.ones((64, 96)))
         >>> row.scale.shape, col_t.scale.shape
         ((64, 3), (96, 2))
+        >>> *_, row_sw, col_sw = jaxmx.quantize_rowwise_colwise(jnp.ones((64, 96)),
+        ...                                                   swizzled_scales=True)
+        >>> row_sw.shape, col_sw.shape                     # 128 x 4 and 128 x 4 padded tiles
+        ((512,), (512,))
     """
+    f = get_format(fmt)
+    check_scale_mode(scale_mode)
     x = jnp.asarray(x)
+    _check_input(x)
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.split(_check_key(key))
-    row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key)
-    col = quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key)
-    return row, swap_last_axes(col)
+    if resolve_impl(impl) == "pallas":
+        return _pallas_rowwise_colwise(x, f, scale_mode, (row_key, col_key), swizzled_scales)
+    row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
+    col_t = swap_last_axes(quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key, impl="xla"))
+    if swizzled_scales:
+        return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
+    return row, col_t
 
 
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
@@ -163,6 +194,52 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
 
 
 # --- internals ------------------------------------------------------------------------------
+
+
+def _pallas_quantize(x, f: Format, axis: int, scale_mode: str, key):
+    """(codes, E8M0 scales) of :func:`quantize` by the Pallas kernel, in the blocked shapes."""
+    outer, size = math.prod(x.shape[:axis]), x.shape[axis]
+    inner = math.prod(x.shape[axis + 1 :])
+    n_blocks = -(-size // f.block)
+    padded = n_blocks * f.block
+    draws = uniform_noise(key, (outer, n_blocks, f.block, inner))
+    if inner == 1:  # blocks along the minor axis: [outer, size] tiles, blocks along their rows
+        noise = None if draws is None else pallas_quantize.pad_to_tiles(draws.reshape(outer, -1))
+        view = pallas_quantize.pad_to_tiles(x.reshape(outer, size))
+        data, byte = pallas_quantize.quantize_2d(view, f, scale_mode, 1, noise)
+        data, byte = data[:outer, :padded], byte[:outer, :n_blocks]
+    else:  # [size, inner] slabs, blocks along their columns, one kernel grid per slab
+        slabs = jax.vmap(pallas_quantize.pad_to_tiles)(x.reshape(outer, size, inner))
+        if draws is None:
+            run = functools.partial(pallas_quantize.quantize_2d, f=f, scale_mode=scale_mode)
+            data, byte = jax.vmap(lambda v: run(v, along=0))(slabs)
+        else:
+            noise = jax.vmap(pallas_quantize.pad_to_tiles)(draws.reshape(outer, padded, inner))
+            data, byte = jax.vmap(lambda v, n: pallas_quantize.quantize_2d(v, f, scale_mode, 0, n))(
+                slabs, noise
+            )
+        data, byte = data[:, :padded, :inner], byte[:, :n_blocks, :inner]
+    return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+
+def _pallas_rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled: bool):
+    m, k = x.shape
+    nb_k, nb_m = -(-k // f.block), -(-m // f.block)
+    row_key, col_key = copy_keys
+    noise = (None, None)
+    if row_key is not None:
+        row = uniform_noise(row_key, (m, nb_k, f.block, 1)).reshape(m, nb_k * f.block)
+        col = uniform_noise(col_key, (1, nb_m, f.block, k)).reshape(nb_m * f.block, k)
+        noise = (pallas_quantize.pad_to_tiles(row), pallas_quantize.pad_to_tiles(col))
+    out = pallas_quantize.quantize_rowwise_colwise_2d(
+        pallas_quantize.pad_to_tiles(x), f, scale_mode, noise, swizzled
+    )
+    e8m0 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e8m0fnu)
+    row = MXArray(out[0][:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
+    col_t = MXArray(out[2][:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
+    if swizzled:
+        return row, col_t, out[4], out[5]
+    return row, col_t
 
 
 def _check_input(x: jax.Array) -> None:
@@ -209,17 +286,24 @@ def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     return x.reshape(outer, n_blocks, block, inner)
 
 
-def _quantize_blocks(xb, f: Format, scale_mode: str, key):
-    byte, values = scaled_blocks(xb, f, scale_mode, key)
+def uniform_noise(key, shape) -> jax.Array | None:
+    """The uniform [0, 1) draws of stochastic rounding for blocked elements of ``shape``
+    (:func:`blocked`'s layout), or None without a key."""
+    return None if key is None else jax.random.uniform(key, shape, jnp.float32)
+
+
+def _quantize_blocks(xb, f: Format, scale_mode: str, noise):
+    byte, values = scaled_blocks(xb, f, scale_mode, noise)
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
-    return _encode(values, f), jnp.squeeze(scale, axis=2)
+    return encode(values, f), jnp.squeeze(scale, axis=2)
 
 
-def scaled_blocks(xb, f: Format, scale_mode: str, key):
+def scaled_blocks(xb, f: Format, scale_mode: str, noise):
     """(E8M0 bytes [outer, n_blocks, 1, inner] int32, elements divided by their scale and clamped
-    to ``±elem_max``, rounded stochastically with ``key``) of ``xb`` = :func:`blocked`'s output.
+    to ``±elem_max``) of ``xb`` = :func:`blocked`'s output; with ``noise`` (uniform [0, 1)
+    draws shaped like ``xb``, see :func:`uniform_noise`) the elements are rounded stochastically.
 
-    The elements are not yet rounded to the element grid (unless ``key`` rounded them): the
+    The elements are not yet rounded to the element grid (unless ``noise`` rounded them): the
     quantizer encodes them (round to nearest even), the fake quantizer rounds them in float32.
     """
     x_bits = bits.to_bits(xb)
@@ -239,8 +323,8 @@ def scaled_blocks(xb, f: Format, scale_mode: str, key):
         byte = byte_of(jnp.max(magnitude_bits, axis=2, keepdims=True))
     exponent = jnp.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
     scaled = bits.scale_by_pow2(xb, -exponent)
-    if key is not None:
-        scaled = _round_stochastically(scaled, f, key)
+    if noise is not None:
+        scaled = _round_stochastically(scaled, f, noise)
     return byte, jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
@@ -262,14 +346,13 @@ def _round_up(amax_bits, f: Format, scale_mode: str):
     return mantissa + half_ulp > bits.MANTISSA_MASK
 
 
-def _round_stochastically(scaled, f: Format, key):
+def _round_stochastically(scaled, f: Format, noise):
     """Rounds ``scaled`` to the element grid up or down with probability by distance."""
     magnitude = jnp.abs(scaled)
     exponent = (bits.to_bits(magnitude) >> bits.MANTISSA_BITS) - bits.EXPONENT_BIAS
     quantum_exp = jnp.maximum(exponent, f.emin) - f.mbits
     units = magnitude * bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
     whole = jnp.floor(units)
-    noise = jax.random.uniform(key, scaled.shape, jnp.float32)
     # up with probability frac(units); not floor(units + noise), whose float32 sum can round up
     # to the next integer and move an exactly representable value (p ~ 2^-21)
     up = (noise < units - whole).astype(jnp.float32)  # units - whole is exact
@@ -277,7 +360,7 @@ def _round_stochastically(scaled, f: Format, key):
     return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
 
 
-def _encode(values: jax.Array, f: Format) -> jax.Array:
+def encode(values: jax.Array, f: Format) -> jax.Array:
     """RNE cast of in-range float32 values to the element dtype."""
     if f.is_fp8:
         return lax.bitcast_convert_type(bits.encode_fp8(values, f.mbits, f.emin), f.dtype)

@@ -1,0 +1,206 @@
+"""The MX quantizers as Pallas kernels: one read of the input per tile, both copies from it.
+
+``quantize(..., impl="pallas")`` and ``quantize_rowwise_colwise(..., impl="pallas")`` run these
+kernels; they give the same bytes as the XLA quantizers (``impl="xla"``): the per-tile
+arithmetic is the XLA quantizer's own (:func:`jaxmx._src.quantize.scaled_blocks` and
+:func:`~jaxmx._src.quantize.encode`), applied to a VMEM/SRAM tile instead of the whole array.
+
+The fused kernel reads a 128 x 128 tile of ``x`` [M, K] once and writes the rowwise copy's codes
+and scales, the columnwise copy's codes and scales physically transposed ([K, M]), and, on
+request, both scale matrices in the cuBLAS 128x4 swizzled layout (each tile owns one contiguous
+512-byte chunk of each). Stochastic rounding reads the uniform draws that the XLA quantizer
+draws from the same key (so that the bytes agree), one more input per copy.
+
+On a CUDA GPU the kernels are compiled (Pallas' Triton lowering); on the CPU they run in Pallas
+interpret mode (slow: for tests). Inputs are zero-padded to whole tiles (padding never changes a
+scale) and the outputs sliced back.
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> x = jnp.linspace(-3.0, 3.0, 64 * 96).reshape(64, 96)
+    >>> row, col_t = jaxmx.quantize_rowwise_colwise(x, impl="pallas")   # interpreted on a CPU
+    >>> ref_row, ref_col_t = jaxmx.quantize_rowwise_colwise(x, impl="xla")
+    >>> bool((row.data == ref_row.data).all() and (col_t.scale == ref_col_t.scale).all())
+    True
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxmx._src import bits
+from jaxmx._src.formats import Format
+from jaxmx._src.swizzle import COL_TILE, ROW_TILE
+
+IMPLS = ("auto", "xla", "pallas")
+"""Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"`` (the
+kernels of this module: compiled on CUDA GPUs, interpreted on the CPU), ``"auto"`` (Pallas on a
+GPU, XLA elsewhere)."""
+
+TILE = 128
+"""Tile edge of the kernels: a multiple of the block (32) and of the swizzle's 128-row tile."""
+
+
+def resolve_impl(impl: str) -> str:
+    """``"xla"`` or ``"pallas"`` for ``impl`` on the default backend, with a clear error where the
+    asked implementation cannot run."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    platform = jax.default_backend()
+    if impl == "auto":
+        return "pallas" if platform == "gpu" else "xla"
+    if impl == "pallas" and platform not in ("gpu", "cpu"):
+        raise ValueError(
+            f"impl='pallas' runs on GPUs (compiled) and on the CPU (interpreted), not on "
+            f"{platform!r}; use impl='xla' (or 'auto')"
+        )
+    return impl
+
+
+def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None):
+    """One copy of a 2-D ``x`` [A, B] (float32, bfloat16 or float16), blocks along axis
+    ``along`` (0 or 1), codes in place.
+
+    ``noise``: stochastic-rounding draws in ``x``'s layout (padded like it), or None. Returns
+    (codes [A, B] in ``f.dtype``, E8M0 bytes as uint8: [A, B/32] or [A/32, B]); ``x``'s
+    dimensions must be multiples of :data:`TILE`.
+    """
+    a, b = x.shape
+    scale_block = (TILE, TILE // f.block) if along == 1 else (TILE // f.block, TILE)
+    scale_shape = (a, b // f.block) if along == 1 else (a // f.block, b)
+    spec = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
+    inputs = [x] if noise is None else [x, noise]
+
+    def kernel(*refs):
+        x_ref, noise_ref = refs[0], (refs[1] if noise is not None else None)
+        data_ref, scale_ref = refs[-2:]
+        n = None if noise_ref is None else noise_ref[...]
+        codes, byte = _quantize_tile(x_ref[...], f, scale_mode, along, n)
+        data_ref[...] = codes
+        scale_ref[...] = byte
+
+    return pl.pallas_call(
+        kernel,
+        grid=(a // TILE, b // TILE),
+        in_specs=[spec] * len(inputs),
+        out_specs=[spec, pl.BlockSpec(scale_block, lambda i, j: (i, j))],
+        out_shape=[
+            jax.ShapeDtypeStruct((a, b), f.dtype),
+            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
+        ],
+        interpret=_interpret(),
+    )(*inputs)
+
+
+def quantize_rowwise_colwise_2d(x, f: Format, scale_mode: str, noise=(None, None), swizzle=False):
+    """Both copies of a 2-D ``x`` [M, K] (float32, bfloat16 or float16; dimensions multiples of
+    :data:`TILE`) from one read of each tile.
+
+    Returns ``(row_codes [M, K], row_bytes [M, K/32], col_codes [K, M], col_bytes [K, M/32])``
+    plus, with ``swizzle``, the two byte matrices in the cuBLAS layout (flat, as
+    :func:`jaxmx.swizzle_scales` gives them). ``noise``: the rowwise and columnwise copies'
+    stochastic-rounding draws in ``x``'s layout, or Nones.
+    """
+    m, k = x.shape
+    per_tile = TILE // f.block  # scale columns per tile
+    chunk = ROW_TILE * COL_TILE * per_tile // COL_TILE  # swizzled bytes per tile: 512
+    tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
+    tile_t = pl.BlockSpec((TILE, TILE), lambda i, j: (j, i))
+    out_specs = [
+        tile,
+        pl.BlockSpec((TILE, per_tile), lambda i, j: (i, j)),
+        tile_t,
+        pl.BlockSpec((TILE, per_tile), lambda i, j: (j, i)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((m, k), f.dtype),
+        jax.ShapeDtypeStruct((m, k // f.block), jnp.uint8),
+        jax.ShapeDtypeStruct((k, m), f.dtype),
+        jax.ShapeDtypeStruct((k, m // f.block), jnp.uint8),
+    ]
+    if swizzle:  # tile (i, j) owns chunk j of row group i (row copy), chunk i of group j (col)
+        out_specs += [
+            pl.BlockSpec((1, chunk), lambda i, j: (i, j)),
+            pl.BlockSpec((1, chunk), lambda i, j: (j, i)),
+        ]
+        out_shape += [
+            jax.ShapeDtypeStruct((m // TILE, k // TILE * chunk), jnp.uint8),
+            jax.ShapeDtypeStruct((k // TILE, m // TILE * chunk), jnp.uint8),
+        ]
+    noises = [n for n in noise if n is not None]
+    n_in = 1 + len(noises)
+
+    def kernel(*refs):
+        v = refs[0][...]
+        draws = iter(r[...] for r in refs[1:n_in])
+        row_draws = next(draws) if noise[0] is not None else None
+        col_draws = next(draws) if noise[1] is not None else None
+        outs = refs[n_in:]
+        row_codes, row_byte = _quantize_tile(v, f, scale_mode, 1, row_draws)
+        col_codes, col_byte = _quantize_tile(v, f, scale_mode, 0, col_draws)
+        outs[0][...] = row_codes
+        outs[1][...] = row_byte
+        outs[2][...] = col_codes.T
+        outs[3][...] = col_byte.T
+        if swizzle:
+            outs[4][...] = _swizzle_tile(row_byte)
+            outs[5][...] = _swizzle_tile(col_byte.T)
+
+    results = list(
+        pl.pallas_call(
+            kernel,
+            grid=(m // TILE, k // TILE),
+            in_specs=[tile] * n_in,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            interpret=_interpret(),
+        )(x, *noises)
+    )
+    if swizzle:
+        results[4] = results[4].reshape(-1)
+        results[5] = results[5].reshape(-1)
+    return tuple(results)
+
+
+def pad_to_tiles(x: jax.Array) -> jax.Array:
+    """``x`` [A, B] zero-padded to multiples of :data:`TILE` in both dimensions."""
+    pads = [(0, -n % TILE) for n in x.shape]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+# --- the tile -------------------------------------------------------------------------------
+
+
+def _quantize_tile(v, f: Format, scale_mode: str, along: int, noise):
+    """(codes [T, T], E8M0 bytes as uint8 [T, T/32] or [T/32, T]) of a float32 tile."""
+    # Imported here: jaxmx._src.quantize dispatches to this module.
+    from jaxmx._src.quantize import encode, scaled_blocks
+
+    v = bits.upcast_exact(v)
+    t0, t1 = v.shape
+    if along == 1:
+        blocked = (t0, t1 // f.block, f.block, 1)
+        scale_shape = (t0, t1 // f.block)
+    else:
+        blocked = (1, t0 // f.block, f.block, t1)
+        scale_shape = (t0 // f.block, t1)
+    draws = None if noise is None else noise.reshape(blocked)
+    byte, values = scaled_blocks(v.reshape(blocked), f, scale_mode, draws)
+    codes = encode(values, f).reshape(v.shape)
+    return codes, byte.reshape(scale_shape).astype(jnp.uint8)
+
+
+def _swizzle_tile(byte):
+    """[128, 4 j] scale bytes -> [1, 512 j] in cuBLAS order (c0, r % 32, r // 32, c % 4)."""
+    rows, cols = byte.shape
+    groups = cols // COL_TILE
+    s = byte.reshape(ROW_TILE // 32, 32, groups, COL_TILE)  # (r1, r2, c0, c1)
+    s = lax.transpose(s, (2, 1, 0, 3))  # (c0, r2, r1, c1)
+    return s.reshape(1, rows * cols)
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"

@@ -25,7 +25,7 @@ ALL = [(f, m) for f in FORMATS for m in MODES]
 def _same_bytes(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for u, v in zip(la, lb):
+    for u, v in zip(la, lb, strict=True):
         assert u.dtype == v.dtype and u.shape == v.shape
         np.testing.assert_array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
 

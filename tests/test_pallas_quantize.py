@@ -90,6 +90,23 @@ def test_under_jit():
     _same_bytes(run(x), jaxmx.quantize_rowwise_colwise(x, impl="xla"))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernels_lower_to_triton_for_cuda(fmt, monkeypatch):
+    """The compiled (not interpreted) kernels go through Pallas' Triton lowering for CUDA, here
+    without a GPU (jax.export lowers for a platform it does not run on). Compiling the Triton
+    IR to GPU code and running it needs a GPU (docs/benchmarks.md)."""
+    monkeypatch.setattr(pallas_quantize, "_interpret", lambda: False)
+    x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for fn in (
+        lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, impl="pallas", swizzled_scales=True),
+        lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, key=jax.random.key(0), impl="pallas"),
+        lambda x: jaxmx.quantize(x, fmt, axis=0, impl="pallas"),
+    ):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])
+        assert "xla.gpu.triton" in exported(x).mlir_module()
+
+
 def test_impl_choice_and_errors(monkeypatch):
     assert pallas_quantize.resolve_impl("auto") == "xla"  # on this CPU
     x = jnp.ones((4, 32))

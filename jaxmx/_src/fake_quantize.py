@@ -3,8 +3,8 @@
 ``fake_quantize(x)`` is bit for bit ``dequantize(quantize(x))``, computed in float32: the same
 block scales, then each element divided by its scale, clamped to ``±elem_max`` and rounded to
 the element grid (round to nearest even, the format's subnormals included) by float arithmetic,
-then multiplied back. No 8-bit code is encoded or decoded, which is most of the cost of a
-quantize-then-decode on the CPU.
+then multiplied back. No 8-bit code is encoded or decoded: on XLA:CPU that takes about a
+quarter less time than ``dequantize(quantize(x))`` fused into one jitted function.
 
 :class:`GridArray` is the same quantization kept as element values (float32 on the element
 grid) and E8M0 scales: what the emulated GEMM consumes, so that an operand quantized only to be
@@ -31,7 +31,7 @@ from jax import lax
 from jaxmx._src import bits
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
-from jaxmx._src.formats import Format, check_scale_mode, get_format
+from jaxmx._src.formats import check_scale_mode, get_format
 from jaxmx._src.mxarray import MXArray, padded_shape, scale_shape
 from jaxmx._src.quantize import (
     _check_input,
@@ -58,7 +58,7 @@ def fake_quantize(
 
     Takes the arguments of :func:`jaxmx.quantize` plus the output ``dtype`` of
     :func:`jaxmx.dequantize` (float32, bfloat16 or float16) and returns the same values, bit for
-    bit (NaN blocks included), in about half the time on the CPU.
+    bit (NaN blocks included).
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -119,8 +119,9 @@ def quantize_to_grid(
     xb = blocked(x, axis, f.block)
     byte, values = scaled_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
     return GridArray(
-        data=round_to_grid(values, f).reshape(padded_shape(x.shape, axis, f.block)),
+        data=on_grid.reshape(padded_shape(x.shape, axis, f.block)),
         scale=scale.reshape(scale_shape(x.shape, axis, f.block)),
         fmt=f.name,
         axis=axis,
@@ -133,25 +134,6 @@ def element_values(q: MXArray | GridArray) -> jax.Array:
     if isinstance(q, GridArray):
         return q.data
     return decode_elements(q.data, q.format)
-
-
-def round_to_grid(v: jax.Array, f: Format) -> jax.Array:
-    """float32 ``v`` (within ``±elem_max``, or NaN) rounded to nearest even on ``f``'s grid.
-
-    The grid step of ``|v|`` is ``q = 2^(max(exponent(v), emin) - mbits)`` (subnormals share
-    the smallest normal's step). Adding ``M = 2^23 q`` puts ``|v| < M`` in the binade of M, whose
-    float32 spacing is q, so the sum rounds ``|v|`` to a multiple of q (ties to even) and
-    subtracting M is exact. Float32 subnormal ``v`` (far below every element subnormal) round to
-    zero. The sign is copied from ``v``'s bits, so negatives that round to zero give -0, as the
-    codes do.
-    """
-    v_bits = bits.to_bits(v)
-    magnitude = bits.from_bits(v_bits & 0x7FFFFFFF)
-    exponent = ((v_bits >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
-    step_exponent = jnp.maximum(exponent, f.emin) - f.mbits
-    big = bits.from_bits((step_exponent + bits.MANTISSA_BITS + bits.EXPONENT_BIAS) << 23)
-    rounded = (magnitude + big) - big
-    return bits.from_bits(bits.to_bits(rounded) | (v_bits & jnp.int32(-(2**31))))
 
 
 def _blocked_shape(shape, axis: int, block: int) -> tuple[int, ...]:

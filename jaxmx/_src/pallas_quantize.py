@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from jaxmx._src import bits
 from jaxmx._src.formats import Format
@@ -92,6 +93,7 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None):
             jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
         ],
         interpret=_interpret(),
+        compiler_params=_TRITON,
     )(*inputs)
 
 
@@ -157,6 +159,7 @@ def quantize_rowwise_colwise_2d(x, f: Format, scale_mode: str, noise=(None, None
             out_specs=out_specs,
             out_shape=out_shape,
             interpret=_interpret(),
+            compiler_params=_TRITON,
         )(x, *noises)
     )
     if swizzle:
@@ -189,7 +192,9 @@ def _quantize_tile(v, f: Format, scale_mode: str, along: int, noise):
         scale_shape = (t0 // f.block, t1)
     draws = None if noise is None else noise.reshape(blocked)
     byte, values = scaled_blocks(v.reshape(blocked), f, scale_mode, draws)
-    codes = encode(values, f).reshape(v.shape)
+    # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
+    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
+    codes = encode(on_grid, f, on_grid=True).reshape(v.shape)
     return codes, byte.reshape(scale_shape).astype(jnp.uint8)
 
 
@@ -200,6 +205,11 @@ def _swizzle_tile(byte):
     s = byte.reshape(ROW_TILE // 32, 32, groups, COL_TILE)  # (r1, r2, c0, c1)
     s = lax.transpose(s, (2, 1, 0, 3))  # (c0, r2, r1, c1)
     return s.reshape(1, rows * cols)
+
+
+_TRITON = pl_triton.CompilerParams(num_warps=4)
+"""GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
+over an axis of a tile)."""
 
 
 def _interpret() -> bool:

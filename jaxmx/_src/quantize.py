@@ -360,8 +360,10 @@ def _round_stochastically(scaled, f: Format, noise):
     return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
 
 
-def encode(values: jax.Array, f: Format) -> jax.Array:
-    """RNE cast of in-range float32 values to the element dtype."""
+def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
+    """RNE cast of in-range float32 values to the element dtype (``on_grid``: the values are
+    already on the element grid, see :func:`jaxmx._src.bits.round_to_grid`)."""
     if f.is_fp8:
-        return lax.bitcast_convert_type(bits.encode_fp8(values, f.mbits, f.emin), f.dtype)
+        code = bits.encode_fp8(values, f.mbits, f.emin, on_grid)
+        return lax.bitcast_convert_type(code, f.dtype)
     return values.astype(f.dtype)

@@ -91,30 +91,31 @@ def test_under_jit():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_kernels_lower_to_triton_for_cuda(fmt, monkeypatch):
-    """The compiled (not interpreted) kernels go through Pallas' Triton lowering for CUDA, here
-    without a GPU (jax.export lowers for a platform it does not run on). Compiling the Triton
-    IR to GPU code and running it needs a GPU (docs/benchmarks.md)."""
-    monkeypatch.setattr(pallas_quantize, "_interpret", lambda: False)
+def test_kernels_lower_to_triton_for_cuda(fmt):
+    """Lowered for CUDA, ``impl="pallas"`` and ``"auto"`` are the compiled kernels through
+    Pallas' Triton lowering, checked here without a GPU (jax.export lowers for a platform it does
+    not run on). Compiling the Triton IR and running it needs a GPU (docs/benchmarks.md)."""
     x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for fn in (
-        lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, impl="pallas", swizzled_scales=True),
+        lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, swizzled_scales=True),
         lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, key=jax.random.key(0), impl="pallas"),
         lambda x: jaxmx.quantize(x, fmt, axis=0, impl="pallas"),
+        lambda x: jaxmx.quantize(x, fmt, axis=-1),
     ):
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])
         assert "xla.gpu.triton" in exported(x).mlir_module()
+    cpu = jax.export.export(jax.jit(lambda x: jaxmx.quantize(x, fmt)), platforms=["cpu"])(x)
+    assert "xla.gpu.triton" not in cpu.mlir_module()  # "auto" is XLA on the CPU
 
 
-def test_impl_choice_and_errors(monkeypatch):
-    assert pallas_quantize.resolve_impl("auto") == "xla"  # on this CPU
+def test_bad_impl(monkeypatch):
     x = jnp.ones((4, 32))
     with pytest.raises(ValueError, match="impl"):
         jaxmx.quantize(x, impl="triton")
     with pytest.raises(ValueError, match="impl"):
         jaxmx.quantize_rowwise_colwise(x, impl=None)
     monkeypatch.setattr(pallas_quantize.jax, "default_backend", lambda: "tpu")
-    with pytest.raises(ValueError, match="impl='pallas' runs on GPUs"):
+    with pytest.raises(ValueError, match="impl='pallas' runs on CUDA GPUs"):
         jaxmx.quantize(x, impl="pallas")
-    assert pallas_quantize.resolve_impl("auto") == "xla"
+    jaxmx.quantize(x, impl="auto")  # XLA there

@@ -11,9 +11,9 @@ request, both scale matrices in the cuBLAS 128x4 swizzled layout (each tile owns
 512-byte chunk of each). Stochastic rounding reads the uniform draws that the XLA quantizer
 draws from the same key (so that the bytes agree), one more input per copy.
 
-On a CUDA GPU the kernels are compiled (Pallas' Triton lowering); on the CPU they run in Pallas
-interpret mode (slow: for tests). Inputs are zero-padded to whole tiles (padding never changes a
-scale) and the outputs sliced back.
+Lowered for a CUDA GPU the kernels are compiled (Pallas' Triton lowering); on the CPU they run
+in Pallas interpret mode (slow: for tests). Inputs are zero-padded to whole tiles (padding never
+changes a scale) and the outputs sliced back.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -25,6 +25,8 @@ Example:
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,30 +40,35 @@ from jaxmx._src.swizzle import COL_TILE, ROW_TILE
 
 IMPLS = ("auto", "xla", "pallas")
 """Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"`` (the
-kernels of this module: compiled on CUDA GPUs, interpreted on the CPU), ``"auto"`` (Pallas on a
-GPU, XLA elsewhere)."""
+kernels of this module: compiled for CUDA GPUs, interpreted elsewhere), ``"auto"`` (Pallas for
+CUDA GPUs, XLA elsewhere). The choice is made per lowering platform."""
 
 TILE = 128
 """Tile edge of the kernels: a multiple of the block (32) and of the swizzle's 128-row tile."""
 
 
-def resolve_impl(impl: str) -> str:
-    """``"xla"`` or ``"pallas"`` for ``impl`` on the default backend, with a clear error where the
-    asked implementation cannot run."""
+def dispatch(impl: str, xla, pallas, x):
+    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as ``impl`` says.
+
+    ``impl="pallas"`` raises a ValueError where JAX's default backend is neither a GPU nor the
+    CPU (the kernels are written for Triton; interpreting them elsewhere is not supported).
+    """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "xla":
+        return xla(x)
     platform = jax.default_backend()
-    if impl == "auto":
-        return "pallas" if platform == "gpu" else "xla"
     if impl == "pallas" and platform not in ("gpu", "cpu"):
         raise ValueError(
-            f"impl='pallas' runs on GPUs (compiled) and on the CPU (interpreted), not on "
+            f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
             f"{platform!r}; use impl='xla' (or 'auto')"
         )
-    return impl
+    compiled = functools.partial(pallas, interpret=False)
+    default = xla if impl == "auto" else functools.partial(pallas, interpret=True)
+    return lax.platform_dependent(x, cuda=compiled, default=default)
 
 
-def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None):
+def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interpret: bool):
     """One copy of a 2-D ``x`` [A, B] (float32, bfloat16 or float16), blocks along axis
     ``along`` (0 or 1), codes in place.
 
@@ -92,12 +99,14 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None):
             jax.ShapeDtypeStruct((a, b), f.dtype),
             jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
         ],
-        interpret=_interpret(),
+        interpret=interpret,
         compiler_params=_TRITON,
     )(*inputs)
 
 
-def quantize_rowwise_colwise_2d(x, f: Format, scale_mode: str, noise=(None, None), swizzle=False):
+def quantize_rowwise_colwise_2d(
+    x, f: Format, scale_mode: str, noise=(None, None), swizzle=False, *, interpret: bool
+):
     """Both copies of a 2-D ``x`` [M, K] (float32, bfloat16 or float16; dimensions multiples of
     :data:`TILE`) from one read of each tile.
 
@@ -158,7 +167,7 @@ def quantize_rowwise_colwise_2d(x, f: Format, scale_mode: str, noise=(None, None
             in_specs=[tile] * n_in,
             out_specs=out_specs,
             out_shape=out_shape,
-            interpret=_interpret(),
+            interpret=interpret,
             compiler_params=_TRITON,
         )(x, *noises)
     )
@@ -210,7 +219,3 @@ def _swizzle_tile(byte):
 _TRITON = pl_triton.CompilerParams(num_warps=4)
 """GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
 over an axis of a tile)."""
-
-
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"

@@ -25,7 +25,6 @@ from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
 from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, swap_last_axes
-from jaxmx._src.pallas_quantize import resolve_impl
 from jaxmx._src.swizzle import swizzle_scales
 
 
@@ -71,14 +70,24 @@ def quantize(
     check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
     if key is not None:
         key = _check_key(key)
-    if resolve_impl(impl) == "pallas":
-        data, scale = _pallas_quantize(x, f, axis, scale_mode, key)
-    else:
+
+    def shaped(data, scale):
+        return (
+            data.reshape(padded_shape(x.shape, axis, f.block)),
+            scale.reshape(scale_shape(x.shape, axis, f.block)),
+        )
+
+    def xla(x):
         xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
-        data, scale = _quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
+        return shaped(*_quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape)))
+
+    def pallas(x, interpret):
+        return shaped(*_pallas_quantize(x, f, axis, scale_mode, key, interpret))
+
+    data, scale = pallas_quantize.dispatch(impl, xla, pallas, x)
     return MXArray(
-        data=data.reshape(padded_shape(x.shape, axis, f.block)),
-        scale=scale.reshape(scale_shape(x.shape, axis, f.block)),
+        data=data,
+        scale=scale,
         fmt=f.name,
         axis=axis,
         shape=tuple(x.shape),
@@ -171,13 +180,21 @@ def quantize_rowwise_colwise(
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.split(_check_key(key))
-    if resolve_impl(impl) == "pallas":
-        return _pallas_rowwise_colwise(x, f, scale_mode, (row_key, col_key), swizzled_scales)
-    row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
-    col_t = swap_last_axes(quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key, impl="xla"))
-    if swizzled_scales:
-        return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
-    return row, col_t
+
+    def xla(x):
+        row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
+        col_t = swap_last_axes(
+            quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
+        )
+        if swizzled_scales:
+            return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
+        return row, col_t
+
+    def pallas(x, interpret):
+        keys = (row_key, col_key)
+        return _pallas_rowwise_colwise(x, f, scale_mode, keys, swizzled_scales, interpret)
+
+    return pallas_quantize.dispatch(impl, xla, pallas, x)
 
 
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
@@ -196,7 +213,7 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
 # --- internals ------------------------------------------------------------------------------
 
 
-def _pallas_quantize(x, f: Format, axis: int, scale_mode: str, key):
+def _pallas_quantize(x, f: Format, axis: int, scale_mode: str, key, interpret: bool):
     """(codes, E8M0 scales) of :func:`quantize` by the Pallas kernel, in the blocked shapes."""
     outer, size = math.prod(x.shape[:axis]), x.shape[axis]
     inner = math.prod(x.shape[axis + 1 :])
@@ -206,23 +223,24 @@ def _pallas_quantize(x, f: Format, axis: int, scale_mode: str, key):
     if inner == 1:  # blocks along the minor axis: [outer, size] tiles, blocks along their rows
         noise = None if draws is None else pallas_quantize.pad_to_tiles(draws.reshape(outer, -1))
         view = pallas_quantize.pad_to_tiles(x.reshape(outer, size))
-        data, byte = pallas_quantize.quantize_2d(view, f, scale_mode, 1, noise)
+        data, byte = pallas_quantize.quantize_2d(view, f, scale_mode, 1, noise, interpret=interpret)
         data, byte = data[:outer, :padded], byte[:outer, :n_blocks]
     else:  # [size, inner] slabs, blocks along their columns, one kernel grid per slab
         slabs = jax.vmap(pallas_quantize.pad_to_tiles)(x.reshape(outer, size, inner))
+        run = functools.partial(
+            pallas_quantize.quantize_2d, f=f, scale_mode=scale_mode, along=0, interpret=interpret
+        )
         if draws is None:
-            run = functools.partial(pallas_quantize.quantize_2d, f=f, scale_mode=scale_mode)
-            data, byte = jax.vmap(lambda v: run(v, along=0))(slabs)
+            data, byte = jax.vmap(run)(slabs)
         else:
             noise = jax.vmap(pallas_quantize.pad_to_tiles)(draws.reshape(outer, padded, inner))
-            data, byte = jax.vmap(lambda v, n: pallas_quantize.quantize_2d(v, f, scale_mode, 0, n))(
-                slabs, noise
-            )
+            data, byte = jax.vmap(lambda v, n: run(v, noise=n))(slabs, noise)
         data, byte = data[:, :padded, :inner], byte[:, :n_blocks, :inner]
     return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
 
 
-def _pallas_rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled: bool):
+def _pallas_rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpret):
+    """(row, col_t) and, with ``swizzled``, both swizzled scales, by the fused Pallas kernel."""
     m, k = x.shape
     nb_k, nb_m = -(-k // f.block), -(-m // f.block)
     row_key, col_key = copy_keys
@@ -232,14 +250,12 @@ def _pallas_rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled: 
         col = uniform_noise(col_key, (1, nb_m, f.block, k)).reshape(nb_m * f.block, k)
         noise = (pallas_quantize.pad_to_tiles(row), pallas_quantize.pad_to_tiles(col))
     out = pallas_quantize.quantize_rowwise_colwise_2d(
-        pallas_quantize.pad_to_tiles(x), f, scale_mode, noise, swizzled
+        pallas_quantize.pad_to_tiles(x), f, scale_mode, noise, swizzled, interpret=interpret
     )
     e8m0 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e8m0fnu)
     row = MXArray(out[0][:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
     col_t = MXArray(out[2][:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
-    if swizzled:
-        return row, col_t, out[4], out[5]
-    return row, col_t
+    return (row, col_t, *out[4:])
 
 
 def _check_input(x: jax.Array) -> None:

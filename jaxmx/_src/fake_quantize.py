@@ -29,16 +29,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src import bits
-from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
-from jaxmx._src.formats import check_scale_mode, get_format
 from jaxmx._src.mxarray import MXArray, padded_shape, scale_shape
 from jaxmx._src.quantize import (
-    _check_input,
-    _check_key,
     blocked,
+    checked_arguments,
     decode_elements,
-    normalize_axis,
     scale_back,
     scaled_blocks,
     uniform_noise,
@@ -108,14 +104,7 @@ def quantize_to_grid(
 ) -> GridArray:
     """:func:`jaxmx.quantize`'s result as a :class:`GridArray`: the same scales, and element
     values equal to the decoded codes (same arguments and errors as ``quantize``)."""
-    f = get_format(fmt)
-    check_scale_mode(scale_mode)
-    x = jnp.asarray(x)
-    _check_input(x)
-    axis = normalize_axis(axis, x.ndim)
-    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
-    if key is not None:
-        key = _check_key(key)
+    x, f, axis, key = checked_arguments(x, fmt, axis, scale_mode, key)
     xb = blocked(x, axis, f.block)
     byte, values = scaled_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)

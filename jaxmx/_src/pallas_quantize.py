@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,36 +37,62 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jaxmx._src import bits
 from jaxmx._src.formats import Format
+from jaxmx._src.mxarray import MXArray
+from jaxmx._src.quantize import encode, scaled_blocks, uniform_noise
 from jaxmx._src.swizzle import COL_TILE, ROW_TILE
-
-IMPLS = ("auto", "xla", "pallas")
-"""Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"`` (the
-kernels of this module: compiled for CUDA GPUs, interpreted elsewhere), ``"auto"`` (Pallas for
-CUDA GPUs, XLA elsewhere). The choice is made per lowering platform."""
 
 TILE = 128
 """Tile edge of the kernels: a multiple of the block (32) and of the swizzle's 128-row tile."""
 
+_TRITON = pl_triton.CompilerParams(num_warps=4)
+"""GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
+over an axis of a tile)."""
 
-def dispatch(impl: str, xla, pallas, x):
-    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as ``impl`` says.
 
-    ``impl="pallas"`` raises a ValueError where JAX's default backend is neither a GPU nor the
-    CPU (the kernels are written for Triton; interpreting them elsewhere is not supported).
-    """
-    if not isinstance(impl, str) or impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if impl == "xla":
-        return xla(x)
-    platform = jax.default_backend()
-    if impl == "pallas" and platform not in ("gpu", "cpu"):
-        raise ValueError(
-            f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
-            f"{platform!r}; use impl='xla' (or 'auto')"
+def quantize(x, f: Format, axis: int, scale_mode: str, key, interpret: bool):
+    """(codes, E8M0 scales) of :func:`jaxmx.quantize` by the kernels (checked arguments)."""
+    outer, size = math.prod(x.shape[:axis]), x.shape[axis]
+    inner = math.prod(x.shape[axis + 1 :])
+    n_blocks = -(-size // f.block)
+    padded = n_blocks * f.block
+    draws = uniform_noise(key, (outer, n_blocks, f.block, inner))
+    if inner == 1:  # blocks along the minor axis: [outer, size] tiles, blocks along their rows
+        noise = None if draws is None else pad_to_tiles(draws.reshape(outer, -1))
+        view = pad_to_tiles(x.reshape(outer, size))
+        data, byte = quantize_2d(view, f, scale_mode, 1, noise, interpret=interpret)
+        data, byte = data[:outer, :padded], byte[:outer, :n_blocks]
+    else:  # [size, inner] slabs, blocks along their columns, one kernel grid per slab
+        slabs = jax.vmap(pad_to_tiles)(x.reshape(outer, size, inner))
+        run = functools.partial(
+            quantize_2d, f=f, scale_mode=scale_mode, along=0, interpret=interpret
         )
-    compiled = functools.partial(pallas, interpret=False)
-    default = xla if impl == "auto" else functools.partial(pallas, interpret=True)
-    return lax.platform_dependent(x, cuda=compiled, default=default)
+        if draws is None:
+            data, byte = jax.vmap(run)(slabs)
+        else:
+            noise = jax.vmap(pad_to_tiles)(draws.reshape(outer, padded, inner))
+            data, byte = jax.vmap(lambda v, n: run(v, noise=n))(slabs, noise)
+        data, byte = data[:, :padded, :inner], byte[:, :n_blocks, :inner]
+    return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+
+
+def rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpret):
+    """:func:`jaxmx.quantize_rowwise_colwise` by the fused kernel: (row, col_t) and, with
+    ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
+    m, k = x.shape
+    nb_k, nb_m = -(-k // f.block), -(-m // f.block)
+    row_key, col_key = copy_keys
+    noise = (None, None)
+    if row_key is not None:
+        row = uniform_noise(row_key, (m, nb_k, f.block, 1)).reshape(m, nb_k * f.block)
+        col = uniform_noise(col_key, (1, nb_m, f.block, k)).reshape(nb_m * f.block, k)
+        noise = (pad_to_tiles(row), pad_to_tiles(col))
+    out = quantize_rowwise_colwise_2d(
+        pad_to_tiles(x), f, scale_mode, noise, swizzled, interpret=interpret
+    )
+    e8m0 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e8m0fnu)
+    row = MXArray(out[0][:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
+    col_t = MXArray(out[2][:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
+    return (row, col_t, *out[4:])
 
 
 def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interpret: bool):
@@ -117,7 +144,7 @@ def quantize_rowwise_colwise_2d(
     """
     m, k = x.shape
     per_tile = TILE // f.block  # scale columns per tile
-    chunk = ROW_TILE * COL_TILE * per_tile // COL_TILE  # swizzled bytes per tile: 512
+    chunk = TILE * per_tile  # swizzled bytes per tile: 128 rows x 4 blocks = 512
     tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
     tile_t = pl.BlockSpec((TILE, TILE), lambda i, j: (j, i))
     out_specs = [
@@ -188,9 +215,6 @@ def pad_to_tiles(x: jax.Array) -> jax.Array:
 
 def _quantize_tile(v, f: Format, scale_mode: str, along: int, noise):
     """(codes [T, T], E8M0 bytes as uint8 [T, T/32] or [T/32, T]) of a float32 tile."""
-    # Imported here: jaxmx._src.quantize dispatches to this module.
-    from jaxmx._src.quantize import encode, scaled_blocks
-
     v = bits.upcast_exact(v)
     t0, t1 = v.shape
     if along == 1:
@@ -214,8 +238,3 @@ def _swizzle_tile(byte):
     s = byte.reshape(ROW_TILE // 32, 32, groups, COL_TILE)  # (r1, r2, c0, c1)
     s = lax.transpose(s, (2, 1, 0, 3))  # (c0, r2, r1, c1)
     return s.reshape(1, rows * cols)
-
-
-_TRITON = pl_triton.CompilerParams(num_warps=4)
-"""GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
-over an axis of a tile)."""

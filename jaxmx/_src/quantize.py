@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src import bits, pallas_quantize
+from jaxmx._src import bits
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
@@ -62,14 +62,7 @@ def quantize(
         >>> jaxmx.dequantize(q)[:2].tolist()             # rceil: 480 = 240 * 2^1, no saturation
         [480.0, 480.0]
     """
-    f = get_format(fmt)
-    check_scale_mode(scale_mode)
-    x = jnp.asarray(x)
-    _check_input(x)
-    axis = normalize_axis(axis, x.ndim)
-    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
-    if key is not None:
-        key = _check_key(key)
+    x, f, axis, key = checked_arguments(x, fmt, axis, scale_mode, key)
 
     def shaped(data, scale):
         return (
@@ -82,9 +75,11 @@ def quantize(
         return shaped(*_quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape)))
 
     def pallas(x, interpret):
-        return shaped(*_pallas_quantize(x, f, axis, scale_mode, key, interpret))
+        from jaxmx._src import pallas_quantize  # it builds on this module
 
-    data, scale = pallas_quantize.dispatch(impl, xla, pallas, x)
+        return shaped(*pallas_quantize.quantize(x, f, axis, scale_mode, key, interpret))
+
+    data, scale = dispatch(impl, xla, pallas, x)
     return MXArray(
         data=data,
         scale=scale,
@@ -191,10 +186,12 @@ def quantize_rowwise_colwise(
         return row, col_t
 
     def pallas(x, interpret):
-        keys = (row_key, col_key)
-        return _pallas_rowwise_colwise(x, f, scale_mode, keys, swizzled_scales, interpret)
+        from jaxmx._src import pallas_quantize  # it builds on this module
 
-    return pallas_quantize.dispatch(impl, xla, pallas, x)
+        keys = (row_key, col_key)
+        return pallas_quantize.rowwise_colwise(x, f, scale_mode, keys, swizzled_scales, interpret)
+
+    return dispatch(impl, xla, pallas, x)
 
 
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
@@ -210,52 +207,48 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
     return bits.as_bytes(scale, "MX scales", bits.SCALE_DTYPES).astype(jnp.int32)
 
 
+IMPLS = ("auto", "xla", "pallas")
+"""Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
+(:mod:`jaxmx._src.pallas_quantize`'s kernels: compiled for CUDA GPUs, interpreted on the CPU),
+``"auto"`` (Pallas for CUDA GPUs, XLA elsewhere). The choice is made per lowering platform."""
+
+
+def dispatch(impl: str, xla, pallas, x):
+    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as ``impl`` says.
+
+    ``impl="pallas"`` raises a ValueError where JAX's default backend is neither a GPU nor the
+    CPU (the kernels are written for Triton; interpreting them elsewhere is not supported).
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "xla":
+        return xla(x)
+    platform = jax.default_backend()
+    if impl == "pallas" and platform not in ("gpu", "cpu"):
+        raise ValueError(
+            f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
+            f"{platform!r}; use impl='xla' (or 'auto')"
+        )
+    compiled = functools.partial(pallas, interpret=False)
+    default = xla if impl == "auto" else functools.partial(pallas, interpret=True)
+    return lax.platform_dependent(x, cuda=compiled, default=default)
+
+
 # --- internals ------------------------------------------------------------------------------
 
 
-def _pallas_quantize(x, f: Format, axis: int, scale_mode: str, key, interpret: bool):
-    """(codes, E8M0 scales) of :func:`quantize` by the Pallas kernel, in the blocked shapes."""
-    outer, size = math.prod(x.shape[:axis]), x.shape[axis]
-    inner = math.prod(x.shape[axis + 1 :])
-    n_blocks = -(-size // f.block)
-    padded = n_blocks * f.block
-    draws = uniform_noise(key, (outer, n_blocks, f.block, inner))
-    if inner == 1:  # blocks along the minor axis: [outer, size] tiles, blocks along their rows
-        noise = None if draws is None else pallas_quantize.pad_to_tiles(draws.reshape(outer, -1))
-        view = pallas_quantize.pad_to_tiles(x.reshape(outer, size))
-        data, byte = pallas_quantize.quantize_2d(view, f, scale_mode, 1, noise, interpret=interpret)
-        data, byte = data[:outer, :padded], byte[:outer, :n_blocks]
-    else:  # [size, inner] slabs, blocks along their columns, one kernel grid per slab
-        slabs = jax.vmap(pallas_quantize.pad_to_tiles)(x.reshape(outer, size, inner))
-        run = functools.partial(
-            pallas_quantize.quantize_2d, f=f, scale_mode=scale_mode, along=0, interpret=interpret
-        )
-        if draws is None:
-            data, byte = jax.vmap(run)(slabs)
-        else:
-            noise = jax.vmap(pallas_quantize.pad_to_tiles)(draws.reshape(outer, padded, inner))
-            data, byte = jax.vmap(lambda v, n: run(v, noise=n))(slabs, noise)
-        data, byte = data[:, :padded, :inner], byte[:, :n_blocks, :inner]
-    return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
-
-
-def _pallas_rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpret):
-    """(row, col_t) and, with ``swizzled``, both swizzled scales, by the fused Pallas kernel."""
-    m, k = x.shape
-    nb_k, nb_m = -(-k // f.block), -(-m // f.block)
-    row_key, col_key = copy_keys
-    noise = (None, None)
-    if row_key is not None:
-        row = uniform_noise(row_key, (m, nb_k, f.block, 1)).reshape(m, nb_k * f.block)
-        col = uniform_noise(col_key, (1, nb_m, f.block, k)).reshape(nb_m * f.block, k)
-        noise = (pallas_quantize.pad_to_tiles(row), pallas_quantize.pad_to_tiles(col))
-    out = pallas_quantize.quantize_rowwise_colwise_2d(
-        pallas_quantize.pad_to_tiles(x), f, scale_mode, noise, swizzled, interpret=interpret
-    )
-    e8m0 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e8m0fnu)
-    row = MXArray(out[0][:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
-    col_t = MXArray(out[2][:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
-    return (row, col_t, *out[4:])
+def checked_arguments(x, fmt: str, axis: int, scale_mode: str, key):
+    """``(x as an array, its Format, axis made non-negative, key)`` after :func:`quantize`'s
+    checks, each raising an error that names the argument at fault."""
+    f = get_format(fmt)
+    check_scale_mode(scale_mode)
+    x = jnp.asarray(x)
+    _check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
+    if key is not None:
+        key = _check_key(key)
+    return x, f, axis, key
 
 
 def _check_input(x: jax.Array) -> None:

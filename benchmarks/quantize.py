@@ -18,6 +18,7 @@ Usage:
     python benchmarks/quantize.py                       # 4096 x 4096
     python benchmarks/quantize.py --sizes 1024 2048 4096 8192 --repeats 20
     python benchmarks/quantize.py --breakdown             # plus the pieces of the cost (XLA)
+    python benchmarks/quantize.py --fake                  # plus fake_quantize vs dq(q(x))
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ def main() -> None:
         help="quantizer implementations (default: xla and pallas on a GPU, xla elsewhere)",
     )
     parser.add_argument(
+        "--fake",
+        action="store_true",
+        help="also time fake_quantize and dequantize(quantize(x)) (the same float32 values)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the pieces: block amax, saturating fp8 cast, bf16 transpose, quantize "
@@ -85,6 +91,11 @@ def main() -> None:
     elem_bytes = 0.5 if fmt == "mxfp4" else 1.0
     dtype = jaxmx.FORMATS[fmt].dtype
     elem_max = jaxmx.FORMATS[fmt].elem_max
+    if args.fake:
+        fns |= {
+            "fake_quantize": jax.jit(lambda x: jaxmx.fake_quantize(x, fmt, -1, mode)),
+            "dq(q(x))": jax.jit(lambda x: jaxmx.dequantize(jaxmx.quantize(x, fmt, -1, mode))),
+        }
     if args.breakdown:
         fns |= {
             "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, 32)), -1)),
@@ -120,6 +131,8 @@ def main() -> None:
             "x.T": 2 * size + 2 * size,
             "q axis 0": 2 * size + one_copy,
             "q 3-D": 2 * size + one_copy,
+            "fake_quantize": 2 * size + 4 * size,  # read bf16, write float32
+            "dq(q(x))": 2 * size + 4 * size,
         }
         for impl in impls:
             moved[f"quantize {impl}"] = 2 * size + one_copy

@@ -72,7 +72,7 @@ def quantize(x, f: Format, axis: int, scale_mode: str, key, interpret: bool):
             noise = jax.vmap(pad_to_tiles)(draws.reshape(outer, padded, inner))
             data, byte = jax.vmap(lambda v, n: run(v, noise=n))(slabs, noise)
         data, byte = data[:, :padded, :inner], byte[:, :n_blocks, :inner]
-    return data, lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
+    return _as_codes(data, f), lax.bitcast_convert_type(byte, jnp.float8_e8m0fnu)
 
 
 def rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpret):
@@ -90,8 +90,9 @@ def rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpre
         pad_to_tiles(x), f, scale_mode, noise, swizzled, interpret=interpret
     )
     e8m0 = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.float8_e8m0fnu)
-    row = MXArray(out[0][:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
-    col_t = MXArray(out[2][:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
+    row_codes, col_codes = (_as_codes(c, f) for c in out[0:3:2])
+    row = MXArray(row_codes[:m, : nb_k * f.block], e8m0(out[1][:m, :nb_k]), f.name, 1, (m, k))
+    col_t = MXArray(col_codes[:k, : nb_m * f.block], e8m0(out[3][:k, :nb_m]), f.name, 1, (k, m))
     return (row, col_t, *out[4:])
 
 
@@ -100,8 +101,8 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interp
     ``along`` (0 or 1), codes in place.
 
     ``noise``: stochastic-rounding draws in ``x``'s layout (padded like it), or None. Returns
-    (codes [A, B] in ``f.dtype``, E8M0 bytes as uint8: [A, B/32] or [A/32, B]); ``x``'s
-    dimensions must be multiples of :data:`TILE`.
+    (codes [A, B] (bytes for fp8, see :func:`_as_codes`), E8M0 bytes as uint8: [A, B/32] or
+    [A/32, B]); ``x``'s dimensions must be multiples of :data:`TILE`.
     """
     a, b = x.shape
     scale_block = (TILE, TILE // f.block) if along == 1 else (TILE // f.block, TILE)
@@ -123,7 +124,7 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interp
         in_specs=[spec] * len(inputs),
         out_specs=[spec, pl.BlockSpec(scale_block, lambda i, j: (i, j))],
         out_shape=[
-            jax.ShapeDtypeStruct((a, b), f.dtype),
+            jax.ShapeDtypeStruct((a, b), _code_dtype(f)),
             jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
         ],
         interpret=interpret,
@@ -154,9 +155,9 @@ def quantize_rowwise_colwise_2d(
         pl.BlockSpec((TILE, per_tile), lambda i, j: (j, i)),
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((m, k), f.dtype),
+        jax.ShapeDtypeStruct((m, k), _code_dtype(f)),
         jax.ShapeDtypeStruct((m, k // f.block), jnp.uint8),
-        jax.ShapeDtypeStruct((k, m), f.dtype),
+        jax.ShapeDtypeStruct((k, m), _code_dtype(f)),
         jax.ShapeDtypeStruct((k, m // f.block), jnp.uint8),
     ]
     if swizzle:  # tile (i, j) owns chunk j of row group i (row copy), chunk i of group j (col)
@@ -227,8 +228,21 @@ def _quantize_tile(v, f: Format, scale_mode: str, along: int, noise):
     byte, values = scaled_blocks(v.reshape(blocked), f, scale_mode, draws)
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
     on_grid = bits.round_to_grid(values, f.mbits, f.emin)
-    codes = encode(on_grid, f, on_grid=True).reshape(v.shape)
+    if f.is_fp8:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
+        codes = bits.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True)
+    else:
+        codes = encode(on_grid, f, on_grid=True)
+    codes = codes.reshape(v.shape)
     return codes, byte.reshape(scale_shape).astype(jnp.uint8)
+
+
+def _code_dtype(f: Format):
+    return jnp.uint8 if f.is_fp8 else f.dtype
+
+
+def _as_codes(data: jax.Array, f: Format) -> jax.Array:
+    """The kernels' element output as ``f``'s dtype (fp8 codes come out as bytes)."""
+    return bits.from_bytes(data, f.dtype) if f.is_fp8 else data
 
 
 def _swizzle_tile(byte):

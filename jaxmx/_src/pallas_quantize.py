@@ -40,6 +40,7 @@ from jaxmx._src.formats import Format
 from jaxmx._src.mxarray import MXArray
 from jaxmx._src.quantize import encode, scaled_blocks, uniform_noise
 from jaxmx._src.swizzle import COL_TILE, ROW_TILE
+from jaxmx._src.vma import vary_like
 
 TILE = 128
 """Tile edge of the kernels: a multiple of the block (32) and of the swizzle's 128-row tile."""
@@ -108,7 +109,8 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interp
     scale_block = (TILE, TILE // f.block) if along == 1 else (TILE // f.block, TILE)
     scale_shape = (a, b // f.block) if along == 1 else (a // f.block, b)
     spec = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
-    inputs = [x] if noise is None else [x, noise]
+    inputs = _varying_alike([x] if noise is None else [x, noise])
+    out = functools.partial(_out_struct, like=inputs[0])
 
     def kernel(*refs):
         x_ref, noise_ref = refs[0], (refs[1] if noise is not None else None)
@@ -124,8 +126,8 @@ def quantize_2d(x, f: Format, scale_mode: str, along: int, noise=None, *, interp
         in_specs=[spec] * len(inputs),
         out_specs=[spec, pl.BlockSpec(scale_block, lambda i, j: (i, j))],
         out_shape=[
-            jax.ShapeDtypeStruct((a, b), _code_dtype(f)),
-            jax.ShapeDtypeStruct(scale_shape, jnp.uint8),
+            out((a, b), _code_dtype(f)),
+            out(scale_shape, jnp.uint8),
         ],
         interpret=interpret,
         compiler_params=_TRITON,
@@ -154,11 +156,13 @@ def quantize_rowwise_colwise_2d(
         tile_t,
         pl.BlockSpec((TILE, per_tile), lambda i, j: (j, i)),
     ]
+    x, *noises = _varying_alike([x, *(n for n in noise if n is not None)])
+    out = functools.partial(_out_struct, like=x)
     out_shape = [
-        jax.ShapeDtypeStruct((m, k), _code_dtype(f)),
-        jax.ShapeDtypeStruct((m, k // f.block), jnp.uint8),
-        jax.ShapeDtypeStruct((k, m), _code_dtype(f)),
-        jax.ShapeDtypeStruct((k, m // f.block), jnp.uint8),
+        out((m, k), _code_dtype(f)),
+        out((m, k // f.block), jnp.uint8),
+        out((k, m), _code_dtype(f)),
+        out((k, m // f.block), jnp.uint8),
     ]
     if swizzle:  # tile (i, j) owns chunk j of row group i (row copy), chunk i of group j (col)
         out_specs += [
@@ -166,10 +170,9 @@ def quantize_rowwise_colwise_2d(
             pl.BlockSpec((1, chunk), lambda i, j: (j, i)),
         ]
         out_shape += [
-            jax.ShapeDtypeStruct((m // TILE, k // TILE * chunk), jnp.uint8),
-            jax.ShapeDtypeStruct((k // TILE, m // TILE * chunk), jnp.uint8),
+            out((m // TILE, k // TILE * chunk), jnp.uint8),
+            out((k // TILE, m // TILE * chunk), jnp.uint8),
         ]
-    noises = [n for n in noise if n is not None]
     n_in = 1 + len(noises)
 
     def kernel(*refs):
@@ -234,6 +237,17 @@ def _quantize_tile(v, f: Format, scale_mode: str, along: int, noise):
         codes = encode(on_grid, f, on_grid=True)
     codes = codes.reshape(v.shape)
     return codes, byte.reshape(scale_shape).astype(jnp.uint8)
+
+
+def _varying_alike(arrays: list) -> list:
+    """``arrays`` each marked as varying over every ``shard_map`` axis any of them varies over
+    (a kernel's inputs must agree; outside ``shard_map`` nothing changes)."""
+    return [vary_like(a, *arrays) for a in arrays]
+
+
+def _out_struct(shape, dtype, like):
+    """A kernel output varying over the same ``shard_map`` axes as ``like``."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
 def _code_dtype(f: Format):

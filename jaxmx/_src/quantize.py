@@ -210,7 +210,8 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
 IMPLS = ("auto", "xla", "pallas")
 """Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
 (:mod:`jaxmx._src.pallas_quantize`'s kernels: compiled for CUDA GPUs, interpreted on the CPU),
-``"auto"`` (Pallas for CUDA GPUs, XLA elsewhere). The choice is made per lowering platform."""
+``"auto"`` (Pallas for CUDA GPUs, XLA elsewhere). The choice is made per lowering platform; in
+a process without CUDA devices ``"auto"`` is XLA everywhere."""
 
 
 def dispatch(impl: str, xla, pallas, x):
@@ -221,7 +222,7 @@ def dispatch(impl: str, xla, pallas, x):
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if impl == "xla":
+    if impl == "xla" or (impl == "auto" and not _has_cuda()):
         return xla(x)
     platform = jax.default_backend()
     if impl == "pallas" and platform not in ("gpu", "cpu"):
@@ -235,6 +236,15 @@ def dispatch(impl: str, xla, pallas, x):
 
 
 # --- internals ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    """Whether this process has CUDA devices (else ``"auto"`` never traces the kernels)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
 
 
 def checked_arguments(x, fmt: str, axis: int, scale_mode: str, key):

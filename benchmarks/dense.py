@@ -1,7 +1,8 @@
 """Dense layer y = x @ w.T, jitted forward + backward: jaxmx vs plain lax.dot_general.
 
 Prints, per size, the median step time of jaxmx (each requested backend) as a ratio to the same
-layer with ``lax.dot_general`` in bfloat16 and in float32, all measured in this run.
+layer with ``lax.dot_general`` in bfloat16 and in float32, all measured in this run (medians of
+interleaved repeats: one call of each variant per round).
 
     python benchmarks/dense.py --sizes 1024 2048 --backends emulate
 """
@@ -32,14 +33,18 @@ def layer_step(dot_general, dtype):
     return jax.jit(lambda x, w, ct: grad(x.astype(dtype), w.astype(dtype), ct))
 
 
-def median_seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_seconds(fns: dict, args, repeats: int) -> dict:
+    """Median seconds per function over ``repeats`` rounds of one call each (interleaved, so that
+    drift in the machine's load hits all of them alike), after a compiling warm-up call."""
+    for fn in fns.values():
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -59,9 +64,10 @@ def main() -> None:
         x = jax.random.normal(keys[0], (n, n), jnp.float32)
         w = jax.random.normal(keys[1], (n, n), jnp.float32) / n**0.5
         ct = jax.random.normal(keys[2], (n, n), jnp.float32)
-        f32 = median_seconds(layer_step(lax.dot_general, jnp.float32), (x, w, ct), args.repeats)
-        bf16 = median_seconds(layer_step(lax.dot_general, jnp.bfloat16), (x, w, ct), args.repeats)
-        row = f"{n:>6} {f32 * 1e3:>9.1f} {bf16 * 1e3:>9.1f}  "
+        fns = {
+            "f32": layer_step(lax.dot_general, jnp.float32),
+            "bf16": layer_step(lax.dot_general, jnp.bfloat16),
+        }
         for backend in args.backends:
             recipe = jaxmx.recipes.MXFP8.replace(backend=backend)
 
@@ -70,8 +76,12 @@ def main() -> None:
                     lhs, rhs, dims, preferred_element_type=preferred_element_type, recipe=recipe
                 )
 
-            t = median_seconds(layer_step(mx, jnp.dtype(args.dtype)), (x, w, ct), args.repeats)
-            row += f"{t * 1e3:>12.1f} {t / f32:>6.2f} {t / bf16:>6.2f}  "
+            fns[backend] = layer_step(mx, jnp.dtype(args.dtype))
+        t = median_seconds(fns, (x, w, ct), args.repeats)
+        row = f"{n:>6} {t['f32'] * 1e3:>9.1f} {t['bf16'] * 1e3:>9.1f}  "
+        for backend in args.backends:
+            tb = t[backend]
+            row += f"{tb * 1e3:>12.1f} {tb / t['f32']:>6.2f} {tb / t['bf16']:>6.2f}  "
         print(row, flush=True)
 
 

@@ -1,20 +1,24 @@
-"""Quantize throughput against a plain elementwise pass over the same tensor.
+"""Quantize throughput in GB/s of the bytes that must move, against a copy of the same tensor.
 
 For each N, on an [N, N] bfloat16 tensor, times (jitted, medians over interleaved repeats):
 
-- ``baseline``: ``x * 2`` (read bf16, write bf16): the bytes-moved floor of an elementwise pass;
+- ``copy``: ``x * 2`` (read bf16, write bf16), a device-to-device copy of the input that XLA
+  cannot elide: the bandwidth to compare with;
 - ``quantize``: one MX copy (default E4M3, rceil) along the last axis;
-- ``row+col``: ``quantize_rowwise_colwise``, both copies (the second one physically transposed).
+- ``row+col``: ``quantize_rowwise_colwise``, both copies (the second one physically transposed);
 
-Each is printed as median wall milliseconds, as a ratio to the baseline's median and as GB/s of
-the bytes that must move (input read once; data + scales written; E2M1 counted packed). The
+each with every implementation asked for (``--impls``; default ``xla`` and ``pallas`` on a GPU,
+``xla`` elsewhere: on the CPU the Pallas kernels run interpreted, which is for tests, not speed).
+Each is printed as median wall milliseconds, GB/s of the bytes that must move (input read once;
+data + scales written; E2M1 counted packed) and that bandwidth as a fraction of the copy's. The
 process CPU time (all threads) is printed too: on a shared machine it is less sensitive to other
 jobs than wall time.
 
 Usage:
     python benchmarks/quantize.py                       # 4096 x 4096
     python benchmarks/quantize.py --sizes 1024 2048 4096 8192 --repeats 20
-    python benchmarks/quantize.py --breakdown             # plus the pieces of the cost
+    python benchmarks/quantize.py --breakdown             # plus the pieces of the cost (XLA)
+    python benchmarks/quantize.py --fake                  # plus fake_quantize vs dq(q(x))
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=["xla", "pallas"],
+        help="quantizer implementations (default: xla and pallas on a GPU, xla elsewhere)",
+    )
+    parser.add_argument(
+        "--fake",
+        action="store_true",
+        help="also time fake_quantize and dequantize(quantize(x)) (the same float32 values)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the pieces: block amax, saturating fp8 cast, bf16 transpose, quantize "
@@ -64,22 +79,31 @@ def main() -> None:
     args = parser.parse_args()
 
     fmt, mode = args.fmt, args.scale_mode
-    fns = {
-        "baseline": jax.jit(lambda x: x * 2),
-        "quantize": jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=-1, scale_mode=mode)),
-        "row+col": jax.jit(lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, mode)),
-    }
+    impls = args.impls or (["xla", "pallas"] if jax.default_backend() == "gpu" else ["xla"])
+    fns = {"copy": jax.jit(lambda x: x * 2)}
+    for impl in impls:
+        fns[f"quantize {impl}"] = jax.jit(
+            lambda x, impl=impl: jaxmx.quantize(x, fmt, axis=-1, scale_mode=mode, impl=impl)
+        )
+        fns[f"row+col {impl}"] = jax.jit(
+            lambda x, impl=impl: jaxmx.quantize_rowwise_colwise(x, fmt, mode, impl=impl)
+        )
     elem_bytes = 0.5 if fmt == "mxfp4" else 1.0
     dtype = jaxmx.FORMATS[fmt].dtype
     elem_max = jaxmx.FORMATS[fmt].elem_max
+    if args.fake:
+        fns |= {
+            "fake_quantize": jax.jit(lambda x: jaxmx.fake_quantize(x, fmt, -1, mode)),
+            "dq(q(x))": jax.jit(lambda x: jaxmx.dequantize(jaxmx.quantize(x, fmt, -1, mode))),
+        }
     if args.breakdown:
         fns |= {
             "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, 32)), -1)),
             "cast": jax.jit(lambda x: jnp.clip(x, -elem_max, elem_max).astype(dtype)),
             "x.T": jax.jit(lambda x: x.T),
-            "q axis 0": jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=0, scale_mode=mode)),
+            "q axis 0": jax.jit(lambda x: jaxmx.quantize(x, fmt, 0, mode, impl="xla")),
             "q 3-D": jax.jit(
-                lambda x: jaxmx.quantize(x.reshape(x.shape[0], -1, 32), fmt, scale_mode=mode)
+                lambda x: jaxmx.quantize(x.reshape(x.shape[0], -1, 32), fmt, -1, mode, impl="xla")
             ),
         }
 
@@ -90,8 +114,8 @@ def main() -> None:
         f"after {args.warmup} warmups; load average {os.getloadavg()[0]:.1f}"
     )
     header = (
-        f"| {'N':>5} | {'op':<8} | {'wall ms':>8} | {'x baseline':>10} | {'GB/s':>6} "
-        f"| {'cpu ms':>8} | {'cpu x baseline':>14} |"
+        f"| {'N':>5} | {'op':<15} | {'wall ms':>8} | {'GB/s':>7} | {'x copy GB/s':>11} "
+        f"| {'cpu ms':>8} |"
     )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
@@ -101,21 +125,24 @@ def main() -> None:
         size = n * n
         one_copy = size * elem_bytes + size / 32  # data + E8M0 scales
         moved = {
-            "baseline": 2 * size + 2 * size,
-            "quantize": 2 * size + one_copy,
-            "row+col": 2 * size + 2 * one_copy,
+            "copy": 2 * size + 2 * size,
             "amax": 2 * size + size / 32 * 2,
             "cast": 2 * size + size * elem_bytes,
             "x.T": 2 * size + 2 * size,
             "q axis 0": 2 * size + one_copy,
             "q 3-D": 2 * size + one_copy,
+            "fake_quantize": 2 * size + 4 * size,  # read bf16, write float32
+            "dq(q(x))": 2 * size + 4 * size,
         }
+        for impl in impls:
+            moved[f"quantize {impl}"] = 2 * size + one_copy
+            moved[f"row+col {impl}"] = 2 * size + 2 * one_copy
+        copy_rate = moved["copy"] / wall["copy"]
         for name in fns:
+            rate = moved[name] / wall[name]
             print(
-                f"| {n:>5} | {name:<8} | {wall[name] * 1e3:>8.2f} "
-                f"| {wall[name] / wall['baseline']:>10.2f} "
-                f"| {moved[name] / wall[name] / 1e9:>6.1f} | {cpu[name] * 1e3:>8.2f} "
-                f"| {cpu[name] / cpu['baseline']:>14.2f} |"
+                f"| {n:>5} | {name:<15} | {wall[name] * 1e3:>8.3f} | {rate / 1e9:>7.1f} "
+                f"| {rate / copy_rate:>11.2f} | {cpu[name] * 1e3:>8.2f} |"
             )
 
 

@@ -17,6 +17,7 @@ from jaxmx._src.attention import dot_product_attention
 from jaxmx._src.backends import BACKENDS, backends
 from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
 from jaxmx._src.einsum import einsum
+from jaxmx._src.fake_quantize import fake_quantize
 from jaxmx._src.formats import BLOCK_SCALE_MODES, FORMATS, SCALE_MODES, Format
 from jaxmx._src.keys import stochastic_rounding
 from jaxmx._src.matmul import matmul
@@ -47,6 +48,7 @@ __all__ = [
     "dot_general",
     "dot_product_attention",
     "einsum",
+    "fake_quantize",
     "ffi",
     "matmul",
     "quantize",

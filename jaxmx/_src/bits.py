@@ -118,12 +118,33 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return from_bits(jnp.where(passthrough, bits, out))
 
 
-def encode_fp8(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
+def round_to_grid(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
+    """float32 ``v`` rounded to nearest even on the grid of a float format with ``mbits``
+    mantissa bits and smallest normal ``2^emin`` (subnormals included, no upper limit).
+
+    The grid step of ``|v|`` is ``q = 2^(max(exponent(v), emin) - mbits)``. Adding ``M = 2^23 q``
+    puts ``|v| < M`` in the binade of M, whose float32 spacing is q, so the sum rounds ``|v|`` to
+    a multiple of q (ties to even) and subtracting M is exact. (M depends on ``v``: XLA folds
+    ``(x + c) - c`` for a constant c.) Float32 subnormal ``v`` round to zero. The sign is copied
+    from ``v``'s bits, so negatives that round to zero give -0, as element codes do.
+    """
+    v_bits = to_bits(v)
+    magnitude = from_bits(v_bits & 0x7FFFFFFF)
+    exponent = ((v_bits >> MANTISSA_BITS) & 0xFF) - EXPONENT_BIAS
+    step_exponent = jnp.maximum(exponent, emin) - mbits
+    big = from_bits((step_exponent + MANTISSA_BITS + EXPONENT_BIAS) << MANTISSA_BITS)
+    rounded = (magnitude + big) - big
+    return from_bits(to_bits(rounded) | (v_bits & jnp.int32(-(2**31))))
+
+
+def encode_fp8(v: jnp.ndarray, mbits: int, emin: int, on_grid: bool = False) -> jnp.ndarray:
     """Bytes of the 8-bit float (sign, exponent, ``mbits`` mantissa bits, min normal 2^emin)
     nearest to ``v`` (round to nearest even), for float32 ``v`` within the format's finite range.
 
     Integer arithmetic on the float32 bits: the same bytes as XLA's convert, in about half its
-    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2).
+    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2). ``on_grid``:
+    ``v`` is already on the format's grid (:func:`round_to_grid`), so no rounding is done (and
+    no ``round`` primitive used, which Pallas' Triton lowering lacks).
     """
     bits = to_bits(v)
     sign = (bits >> 24) & 0x80
@@ -134,7 +155,9 @@ def encode_fp8(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
     rounded = magnitude_bits + (1 << (shift - 1)) - 1 + ((magnitude_bits >> shift) & 1)
     normal = (rounded >> shift) - ((EXPONENT_BIAS - (1 - emin)) << mbits)
     # subnormal range: a multiple of the smallest subnormal, 2^(emin - mbits)
-    subnormal = lax.round(magnitude * 2.0 ** (mbits - emin), lax.RoundingMethod.TO_NEAREST_EVEN)
+    subnormal = magnitude * 2.0 ** (mbits - emin)
+    if not on_grid:
+        subnormal = lax.round(subnormal, lax.RoundingMethod.TO_NEAREST_EVEN)
     code = jnp.where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
     code = jnp.where(jnp.isnan(v), 0x7F, code) | sign
     return code.astype(jnp.uint8)

@@ -34,17 +34,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src import bits
+from jaxmx._src.fake_quantize import GridArray, element_values
 from jaxmx._src.mxarray import MXArray
-from jaxmx._src.quantize import decode_elements, scale_exponent_bytes
+from jaxmx._src.quantize import scale_exponent_bytes
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
+def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX operands.
 
     ``a`` is [..., M, K] or [..., K, M] and ``b`` [..., N, K] or [..., K, N], each blocked along
-    K; they are contracted in their own layouts (no transposes). Jitted, so eager callers run one
-    compiled kernel.
+    K; they are contracted in their own layouts (no transposes). Either may be a
+    :class:`~jaxmx._src.fake_quantize.GridArray` (element values instead of codes: the same
+    result, bit for bit, without decoding codes). Jitted, so eager callers run one compiled
+    kernel.
     """
 
     def run(operand_dtype):
@@ -69,7 +72,7 @@ def emulated_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     return lax.platform_dependent(a, b, cpu=run(jnp.float32), default=run(jnp.bfloat16))
 
 
-def decode_rows(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
+def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
     """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
     row's values decoded relative to its largest (finite) scale, so at most ``elem_max``."""
     f = q.format
@@ -77,7 +80,7 @@ def decode_rows(q: MXArray, dtype) -> tuple[jax.Array, jax.Array]:
     n_blocks = q.scale.shape[k]
     # blocks: [..., rows, KB, block] (K last) or [..., KB, block, rows] (K first)
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
-    values = decode_elements(data, f).reshape(blocked)
+    values = element_values(q).reshape(blocked)
     byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
     exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
     # over K, per row (an empty K gives the smallest exponent)

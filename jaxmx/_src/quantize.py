@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -32,6 +33,7 @@ from jaxmx._src.mxarray import (
     scale_shape,
     swap_last_axes,
 )
+from jaxmx._src.swizzle import swizzle_scales
 
 
 def quantize(
@@ -42,6 +44,7 @@ def quantize(
     *,
     key: jax.Array | None = None,
     tile: tuple[int, int] | None = None,
+    impl: str = "auto",
 ) -> MXArray:
     """Quantizes ``x`` in blocks of consecutive elements along ``axis`` (32 for the MX formats,
     128 for block FP8), or in 2-D tiles of its last two axes.
@@ -60,6 +63,10 @@ def quantize(
         tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
             along ``axis`` (which must then be the last axis); both axes are zero-padded to whole
             tiles. The transpose quantized with ``tile[::-1]`` holds the same bytes.
+        impl: ``"auto"`` (default: the Pallas kernel on a GPU, XLA elsewhere), ``"xla"`` or
+            ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes either way.
+            The Pallas kernels cover 1-D MX blocks: tiles and block FP8 take ``"xla"`` under
+            ``"auto"``, and ``"pallas"`` refuses them.
 
     Returns:
         An :class:`MXArray`. MX formats: a block that holds a NaN or an infinity gets the NaN
@@ -75,40 +82,53 @@ def quantize(
         >>> jaxmx.dequantize(q)[:2].tolist()             # rceil: 480 = 240 * 2^1, no saturation
         [480.0, 480.0]
     """
-    f = get_format(fmt)
-    scale_mode = check_scale_mode(scale_mode, f)
-    x = jnp.asarray(x)
-    _check_input(x)
-    axis = normalize_axis(axis, x.ndim)
-    tile = check_tile(tile, x.ndim, "quantize")
-    if tile is not None and axis != x.ndim - 1:
-        raise ValueError(
-            f"quantize: with tile, axis must be the last axis ({x.ndim - 1}), got {axis}"
-        )
-    if tile is None:
-        axes = (ReducedAxis(axis, f"{axis}"),)
-        check_block_alignment(x, "jaxmx.quantize", "x", axes, f.block)
-    else:
-        for i, side in zip((x.ndim - 2, x.ndim - 1), tile, strict=True):
-            check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(i, f"{i}"),), side)
-    if key is not None:
-        key = _check_key(key)
-    if tile is None:
-        xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
-    else:
-        xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
-    data, scale = _quantize_blocks(xb, f, scale_mode, key)
+    x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
+    tile = _checked_tile(tile, x.ndim, axis)
     padded = padded_shape(x.shape, axis, f.block, tile)
-    if tile is not None:
-        data = untile(data, padded, tile)
+
+    def shaped(data, scale):
+        return data.reshape(padded), scale.reshape(scale_shape(x.shape, axis, f.block, tile))
+
+    def xla(x):
+        if tile is None:
+            xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+        else:
+            xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
+        data, scale = _quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
+        return shaped(untile(data, padded, tile) if tile else data, scale)
+
+    def pallas(x, interpret):
+        from jaxmx._src import pallas_quantize  # it builds on this module
+
+        return shaped(*pallas_quantize.quantize(x, f, axis, scale_mode, key, interpret))
+
+    if tile is not None or not f.is_mx:
+        impl = _xla_only(impl, "tiles" if tile is not None else f.name)
+    data, scale = dispatch(impl, xla, pallas, x)
     return MXArray(
-        data=data.reshape(padded),
-        scale=scale.reshape(scale_shape(x.shape, axis, f.block, tile)),
+        data=data,
+        scale=scale,
         fmt=f.name,
         axis=axis,
         shape=tuple(x.shape),
         tile=tile,
     )
+
+
+def _checked_tile(tile, ndim: int, axis: int) -> tuple[int, int] | None:
+    tile = check_tile(tile, ndim, "quantize")
+    if tile is not None and axis != ndim - 1:
+        raise ValueError(
+            f"quantize: with tile, axis must be the last axis ({ndim - 1}), got {axis}"
+        )
+    return tile
+
+
+def _xla_only(impl: str, what: str) -> str:
+    """``impl`` for quantizations the Pallas kernels do not cover: ``"xla"``, or an error."""
+    if impl == "pallas":
+        raise ValueError(f"impl='pallas' covers 1-D MX blocks, not {what}; use impl='xla'")
+    return "xla" if impl == "auto" else impl
 
 
 def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
@@ -146,7 +166,8 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     else:
         values = tiles(values, q.tile)
         scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)
-    out = _scaled(values, scale, f)
+    # exact for E8M0 scales (subnormal results included); a float32 product for float32 ones
+    out = scale_back(values, scale_exponent_bytes(scale)) if f.is_mx else values * scale
     out = untile(out, q.data.shape, q.tile) if q.tile else out.reshape(q.data.shape)
     for i, n in enumerate(q.shape[-2:] if q.tile else (q.shape[q.axis],)):
         axis = out.ndim - 2 + i if q.tile else q.data_axis
@@ -154,14 +175,10 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     return out.astype(dtype)
 
 
-def _scaled(values: jax.Array, scale: jax.Array, f: Format) -> jax.Array:
-    """Decoded elements times their block's scale: exact for E8M0 scales (subnormal results
-    included); a float32 product for float32 scales."""
-    if not f.is_mx:
-        return values * scale
-    byte = scale_exponent_bytes(scale)
-    out = bits.ldexp_exact(values, jnp.minimum(byte, 254) - bits.EXPONENT_BIAS)
-    return jnp.where(byte == bits.E8M0_NAN, jnp.nan, out)
+def scale_back(values: jax.Array, byte: jax.Array) -> jax.Array:
+    """``values * 2^(byte - 127)`` exactly (subnormals included), NaN where ``byte`` is 0xFF."""
+    k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
+    return jnp.where(byte == bits.E8M0_NAN, jnp.nan, bits.ldexp_exact(values, k))
 
 
 def quantize_rowwise_colwise(
@@ -170,12 +187,23 @@ def quantize_rowwise_colwise(
     scale_mode: str | None = None,
     *,
     key: jax.Array | None = None,
-) -> tuple[MXArray, MXArray]:
+    impl: str = "auto",
+    swizzled_scales: bool = False,
+):
     """Both MX copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
+
+    Args:
+        x, fmt, scale_mode, key: as for :func:`quantize`.
+        impl: ``"auto"`` (default: the fused Pallas kernel on a GPU, XLA elsewhere), ``"xla"``
+            or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both copies;
+            compiled on a GPU, interpreted on the CPU). The same bytes either way.
+        swizzled_scales: also return both copies' scales in the cuBLAS 128x4 layout (as
+            :func:`jaxmx.swizzle_scales` gives them), written by the same kernel.
 
     Returns:
         ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
         ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
+        With ``swizzled_scales``, ``(row, col_t, row_swizzled, col_t_swizzled)``.
         With ``key``, the two copies round with ``split(key)``'s two keys.
 
     Example:
@@ -183,16 +211,41 @@ def quantize_rowwise_colwise(
         >>> row, col_t = jaxmx.quantize_rowwise_colwise(jnp.ones((64, 96)))
         >>> row.scale.shape, col_t.scale.shape
         ((64, 3), (96, 2))
+        >>> *_, row_sw, col_sw = jaxmx.quantize_rowwise_colwise(jnp.ones((64, 96)),
+        ...                                                   swizzled_scales=True)
+        >>> row_sw.shape, col_sw.shape                     # 128 x 4 and 128 x 4 padded tiles
+        ((512,), (512,))
     """
+    f = get_format(fmt)
+    scale_mode = check_scale_mode(scale_mode, f)
     x = jnp.asarray(x)
+    _check_input(x)
+    if not f.is_mx:
+        impl = _xla_only(impl, f.name)
+        if swizzled_scales:
+            raise ValueError(f"swizzled_scales is the MX scale layout; {f.name} has none")
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     row_key = col_key = None
     if key is not None:
         row_key, col_key = jax.random.split(_check_key(key))
-    row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key)
-    col = quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key)
-    return row, swap_last_axes(col)
+
+    def xla(x):
+        row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
+        col_t = swap_last_axes(
+            quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
+        )
+        if swizzled_scales:
+            return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
+        return row, col_t
+
+    def pallas(x, interpret):
+        from jaxmx._src import pallas_quantize  # it builds on this module
+
+        keys = (row_key, col_key)
+        return pallas_quantize.rowwise_colwise(x, f, scale_mode, keys, swizzled_scales, interpret)
+
+    return dispatch(impl, xla, pallas, x)
 
 
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
@@ -208,7 +261,59 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
     return bits.as_bytes(scale, "MX scales", bits.SCALE_DTYPES).astype(jnp.int32)
 
 
+IMPLS = ("auto", "xla", "pallas")
+"""Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
+(:mod:`jaxmx._src.pallas_quantize`'s kernels: compiled for CUDA GPUs, interpreted on the CPU),
+``"auto"`` (Pallas for CUDA GPUs, XLA elsewhere). The choice is made per lowering platform; in
+a process without CUDA devices ``"auto"`` is XLA everywhere."""
+
+
+def dispatch(impl: str, xla, pallas, x):
+    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as ``impl`` says.
+
+    ``impl="pallas"`` raises a ValueError where JAX's default backend is neither a GPU nor the
+    CPU (the kernels are written for Triton; interpreting them elsewhere is not supported).
+    """
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "xla" or (impl == "auto" and not _has_cuda()):
+        return xla(x)
+    platform = jax.default_backend()
+    if impl == "pallas" and platform not in ("gpu", "cpu"):
+        raise ValueError(
+            f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
+            f"{platform!r}; use impl='xla' (or 'auto')"
+        )
+    compiled = functools.partial(pallas, interpret=False)
+    default = xla if impl == "auto" else functools.partial(pallas, interpret=True)
+    return lax.platform_dependent(x, cuda=compiled, default=default)
+
+
 # --- internals ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    """Whether this process has CUDA devices (else ``"auto"`` never traces the kernels)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def checked_arguments(x, fmt: str, axis: int, scale_mode: str | None, key):
+    """``(x as an array, its Format, axis made non-negative, the scale mode (the format's
+    default for ``None``), key)`` after :func:`quantize`'s checks, each raising an error that
+    names the argument at fault."""
+    f = get_format(fmt)
+    scale_mode = check_scale_mode(scale_mode, f)
+    x = jnp.asarray(x)
+    _check_input(x)
+    axis = normalize_axis(axis, x.ndim)
+    check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)
+    if key is not None:
+        key = _check_key(key)
+    return x, f, axis, scale_mode, key
 
 
 def _check_input(x: jax.Array) -> None:
@@ -241,6 +346,20 @@ def normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
+def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
+    x = bits.upcast_exact(x)
+    size = x.shape[axis]
+    n_blocks = -(-size // block)
+    if n_blocks * block != size:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n_blocks * block - size)
+        x = jnp.pad(x, pad)
+    outer = math.prod(x.shape[:axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    return x.reshape(outer, n_blocks, block, inner)
+
+
 def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     """``x [..., R, C]`` zero-padded to whole tiles and viewed as ``[outer, n_tiles, rows * cols,
     1]`` (tiles in row-major order, each tile's elements row-major)."""
@@ -261,23 +380,28 @@ def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.A
     return t.reshape(shape)
 
 
-def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
-    """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
-    x = bits.upcast_exact(x)
-    size = x.shape[axis]
-    n_blocks = -(-size // block)
-    if n_blocks * block != size:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, n_blocks * block - size)
-        x = jnp.pad(x, pad)
-    outer = math.prod(x.shape[:axis])
-    inner = math.prod(x.shape[axis + 1 :])
-    return x.reshape(outer, n_blocks, block, inner)
+def uniform_noise(key, shape) -> jax.Array | None:
+    """The uniform [0, 1) draws of stochastic rounding for blocked elements of ``shape``
+    (:func:`blocked`'s layout), or None without a key."""
+    return None if key is None else jax.random.uniform(key, shape, jnp.float32)
 
 
-def _quantize_blocks(xb, f: Format, scale_mode: str, key):
+def _quantize_blocks(xb, f: Format, scale_mode: str, noise):
     if not f.is_mx:
-        return _quantize_blocks_float32_scale(xb, f, scale_mode, key)
+        return _quantize_blocks_float32_scale(xb, f, scale_mode, noise)
+    byte, values = scaled_blocks(xb, f, scale_mode, noise)
+    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return encode(values, f), jnp.squeeze(scale, axis=2)
+
+
+def scaled_blocks(xb, f: Format, scale_mode: str, noise):
+    """(E8M0 bytes [outer, n_blocks, 1, inner] int32, elements divided by their scale and clamped
+    to ``±elem_max``) of ``xb`` = :func:`blocked`'s output; with ``noise`` (uniform [0, 1)
+    draws shaped like ``xb``, see :func:`uniform_noise`) the elements are rounded stochastically.
+
+    The elements are not yet rounded to the element grid (unless ``noise`` rounded them): the
+    quantizer encodes them (round to nearest even), the fake quantizer rounds them in float32.
+    """
     x_bits = bits.to_bits(xb)
     magnitude_bits = x_bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
 
@@ -295,14 +419,12 @@ def _quantize_blocks(xb, f: Format, scale_mode: str, key):
         byte = byte_of(jnp.max(magnitude_bits, axis=2, keepdims=True))
     exponent = jnp.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
     scaled = bits.scale_by_pow2(xb, -exponent)
-    if key is not None:
-        scaled = _round_stochastically(scaled, f, key)
-    elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
-    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
-    return elements, jnp.squeeze(scale, axis=2)
+    if noise is not None:
+        scaled = _round_stochastically(scaled, f, noise)
+    return byte, jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
-def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, key):
+def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, noise):
     """Block FP8: float32 scales (:data:`jaxmx.BLOCK_SCALE_MODES`), codes ``E4M3(x / s)``."""
     amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
     amax = bits.from_bits(amax_bits)
@@ -325,9 +447,9 @@ def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, key):
     boost = jnp.where(scale < 2.0**-60, 64, 0)
     divisor = jnp.broadcast_to(bits.scale_by_pow2(scale, boost), xb.shape)
     scaled = bits.scale_by_pow2(xb, boost) / lax.optimization_barrier(divisor)
-    if key is not None:
-        scaled = _round_stochastically(scaled, f, key)
-    elements = _encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
+    if noise is not None:
+        scaled = _round_stochastically(scaled, f, noise)
+    elements = encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
     return elements, jnp.squeeze(scale, axis=2)
 
 
@@ -349,14 +471,13 @@ def _round_up(amax_bits, f: Format, scale_mode: str):
     return mantissa + half_ulp > bits.MANTISSA_MASK
 
 
-def _round_stochastically(scaled, f: Format, key):
+def _round_stochastically(scaled, f: Format, noise):
     """Rounds ``scaled`` to the element grid up or down with probability by distance."""
     magnitude = jnp.abs(scaled)
     exponent = (bits.to_bits(magnitude) >> bits.MANTISSA_BITS) - bits.EXPONENT_BIAS
     quantum_exp = jnp.maximum(exponent, f.emin) - f.mbits
     units = magnitude * bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
     whole = jnp.floor(units)
-    noise = jax.random.uniform(key, scaled.shape, jnp.float32)
     # up with probability frac(units); not floor(units + noise), whose float32 sum can round up
     # to the next integer and move an exactly representable value (p ~ 2^-21)
     up = (noise < units - whole).astype(jnp.float32)  # units - whole is exact
@@ -364,8 +485,10 @@ def _round_stochastically(scaled, f: Format, key):
     return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
 
 
-def _encode(values: jax.Array, f: Format) -> jax.Array:
-    """RNE cast of in-range float32 values to the element dtype."""
+def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
+    """RNE cast of in-range float32 values to the element dtype (``on_grid``: the values are
+    already on the element grid, see :func:`jaxmx._src.bits.round_to_grid`)."""
     if f.is_fp8:
-        return lax.bitcast_convert_type(bits.encode_fp8(values, f.mbits, f.emin), f.dtype)
+        code = bits.encode_fp8(values, f.mbits, f.emin, on_grid)
+        return lax.bitcast_convert_type(code, f.dtype)
     return values.astype(f.dtype)

@@ -36,6 +36,7 @@ from jax import lax
 
 from jaxmx._src import keys
 from jaxmx._src.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.fake_quantize import fake_quantize
 from jaxmx._src.formats import get_format
 from jaxmx._src.quantize import dequantize, quantize
 from jaxmx._src.recipes import MXFP8, Recipe
@@ -110,8 +111,8 @@ class _Static(NamedTuple):
 
 
 def _decoded(x, fmt: str, r: Recipe, axis: int, key=None) -> jax.Array:
-    """``x`` quantized along ``axis`` and decoded to float32, exactly."""
-    return dequantize(quantize(x, fmt, axis=axis, scale_mode=r.scale_mode, key=key))
+    """``x`` quantized along ``axis`` and decoded to float32, exactly (without the codes)."""
+    return fake_quantize(x, fmt, axis=axis, scale_mode=r.scale_mode, key=key)
 
 
 def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):

@@ -7,7 +7,10 @@ import pytest
 from test_block_fp8 import adversarial
 
 import jaxmx
+from jaxmx import _ffi
+from jaxmx._src import backends
 from jaxmx._src.pow2_blocks import as_mx
+from jaxmx.recipes import DEEPSEEK_FP8, FP8_BLOCK_POW2
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3_block", "fp8_e5m2_block"])
@@ -42,3 +45,23 @@ def test_the_native_mx_gemm_computes_the_block_gemm():
 def test_only_block_fp8_arrays_are_taken():
     with pytest.raises(ValueError, match="as_mx takes block-FP8 arrays"):
         as_mx(jaxmx.quantize(jnp.ones((4, 64))))
+
+
+@pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")
+def test_auto_runs_pow2_block_recipes_on_the_mx_gemm_of_a_blackwell(monkeypatch):
+    """On a CUDA device with the MX GEMM and without cuBLASLt's block-FP8 one, FP8_BLOCK_POW2's
+    three GEMMs lower to the MX custom call; DEEPSEEK_FP8 (float32 scales) is emulated."""
+    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
+    monkeypatch.setattr(backends, "block_fp8_supported", lambda: False)
+    x, w = jnp.ones((8, 256)), jnp.ones((128, 256))
+
+    def step(recipe):
+        def loss(x, w):
+            return jaxmx.dot_general(x, w, (((1,), (1,)), ((), ())), recipe=recipe).sum()
+
+        step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        return step.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert step(FP8_BLOCK_POW2).count("jaxmx_mx_matmul") == 3
+    assert "jaxmx_mx_matmul" not in step(DEEPSEEK_FP8)
+    assert "jaxmx_block_fp8_matmul" not in step(DEEPSEEK_FP8)

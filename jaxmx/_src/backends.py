@@ -109,6 +109,18 @@ def backends() -> dict[str, str]:
     }
 
 
+def pow2_blocks_on_mx(formats: tuple[str, ...], scale_mode: str) -> bool:
+    """Whether ``"auto"`` runs block-FP8 GEMMs with power-of-two scales on the native MX GEMM
+    here (re-encoded by :func:`jaxmx._src.pow2_blocks.as_mx`): the CUDA device has the MX GEMM
+    but not cuBLASLt's block-FP8 one (Blackwell), and the formats' MX twins are a native pair."""
+    from jaxmx._src.pow2_blocks import MX_OF_BLOCK  # it builds on the formats, not on this
+
+    if scale_mode != "pow2" or not formats or not all(f in MX_OF_BLOCK for f in formats):
+        return False
+    twins = tuple(MX_OF_BLOCK[f] for f in formats)
+    return native_family(twins) == "mx" and cublaslt_supported() and not block_fp8_supported()
+
+
 def _native_recipes() -> str:
     from jaxmx import recipes  # recipes import this module
 
@@ -118,8 +130,10 @@ def _native_recipes() -> str:
         for name, r in named.items()
         if isinstance(r, recipes.Recipe)
         and r.accum_bits is None
-        and (family := native_family((r.fwd, r.grad))) is not None
-        and _family_supported(family)
+        and (
+            ((family := native_family((r.fwd, r.grad))) is not None and _family_supported(family))
+            or pow2_blocks_on_mx((r.fwd, r.grad), r.scale_mode)
+        )
     ]
     if not native:
         return "none (every recipe is emulated on this machine)"

@@ -47,13 +47,14 @@ from jaxmx._src.alignment import (
     named_sharding,
     shards,
 )
-from jaxmx._src.backends import per_platform
+from jaxmx._src.backends import per_platform, pow2_blocks_on_mx
 from jaxmx._src.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
 from jaxmx._src.fake_quantize import quantize_to_grid
 from jaxmx._src.formats import get_format
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray, swap_last_axes
+from jaxmx._src.pow2_blocks import as_mx
 from jaxmx._src.quantize import quantize
 from jaxmx._src.recipes import MXFP8, Recipe
 from jaxmx._src.vma import varying_axes
@@ -340,6 +341,8 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
     """
     backend = "emulate" if r.accum_bits is not None else r.backend
     runners = per_platform(backend, (a.fmt, b.fmt))
+    if _pow2_blocks_as_mx(r, (a.fmt, b.fmt), runners):
+        runners = {**runners, "cuda": "mx"}
     grid_ready = r.accum_bits is None and all(_grid_ready(q) for q in (a, b))
 
     def run(backend: str):
@@ -352,6 +355,8 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
 
         if to_grid:
             return lambda: emulated_matmul(operand(a), operand(b), out_dtype)
+        if backend == "mx":
+            return lambda: matmul(as_mx(operand(a)), as_mx(operand(b)), out_dtype, "ffi")
         return lambda: matmul(
             operand(a),
             operand(b),
@@ -364,6 +369,14 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
     if len(runners) == 1:
         return run(runners["default"])()
     return lax.platform_dependent(**{p: run(backend) for p, backend in runners.items()})
+
+
+def _pow2_blocks_as_mx(r: Recipe, formats: tuple[str, str], runners: dict[str, str]) -> bool:
+    """Whether ``"auto"`` runs this block-FP8 GEMM on the native MX GEMM when lowering for CUDA
+    (:func:`~jaxmx._src.backends.pow2_blocks_on_mx`)."""
+    return (
+        r.backend == "auto" and "cuda" not in runners and pow2_blocks_on_mx(formats, r.scale_mode)
+    )
 
 
 def _grid_ready(q: _Operand | MXArray) -> bool:

@@ -63,8 +63,9 @@ def quantize(
         tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
             along ``axis`` (which must then be the last axis); both axes are zero-padded to whole
             tiles. The transpose quantized with ``tile[::-1]`` holds the same bytes.
-        impl: ``"auto"`` (default: the Pallas kernel on a GPU, XLA elsewhere), ``"xla"`` or
-            ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes either way.
+        impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
+            ``"xla"`` or ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes
+            either way.
             The Pallas kernels cover 1-D MX blocks: tiles and block FP8 take ``"xla"`` under
             ``"auto"``, and ``"pallas"`` refuses them.
 
@@ -194,9 +195,9 @@ def quantize_rowwise_colwise(
 
     Args:
         x, fmt, scale_mode, key: as for :func:`quantize`.
-        impl: ``"auto"`` (default: the fused Pallas kernel on a GPU, XLA elsewhere), ``"xla"``
-            or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both copies;
-            compiled on a GPU, interpreted on the CPU). The same bytes either way.
+        impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
+            ``"xla"`` or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both
+            copies; compiled on a GPU, interpreted on the CPU). The same bytes either way.
         swizzled_scales: also return both copies' scales in the cuBLAS 128x4 layout (as
             :func:`jaxmx.swizzle_scales` gives them), written by the same kernel.
 
@@ -264,8 +265,9 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
 IMPLS = ("auto", "xla", "pallas")
 """Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
 (:mod:`jaxmx._src.pallas_quantize`'s kernels: compiled for CUDA GPUs, interpreted on the CPU),
-``"auto"`` (Pallas for CUDA GPUs, XLA elsewhere). The choice is made per lowering platform; in
-a process without CUDA devices ``"auto"`` is XLA everywhere."""
+``"auto"`` (XLA on every platform: the kernels have not yet been measured, or run, on a GPU,
+so nothing selects them until a GPU shows them faster; see docs/benchmarks.md). ``"pallas"``
+is chosen per lowering platform."""
 
 
 def dispatch(impl: str, xla, pallas, x):
@@ -276,7 +278,7 @@ def dispatch(impl: str, xla, pallas, x):
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if impl == "xla" or (impl == "auto" and not _has_cuda()):
+    if impl in ("xla", "auto"):
         return xla(x)
     platform = jax.default_backend()
     if impl == "pallas" and platform not in ("gpu", "cpu"):
@@ -285,20 +287,11 @@ def dispatch(impl: str, xla, pallas, x):
             f"{platform!r}; use impl='xla' (or 'auto')"
         )
     compiled = functools.partial(pallas, interpret=False)
-    default = xla if impl == "auto" else functools.partial(pallas, interpret=True)
-    return lax.platform_dependent(x, cuda=compiled, default=default)
+    interpreted = functools.partial(pallas, interpret=True)
+    return lax.platform_dependent(x, cuda=compiled, default=interpreted)
 
 
 # --- internals ------------------------------------------------------------------------------
-
-
-@functools.cache
-def _has_cuda() -> bool:
-    """Whether this process has CUDA devices (else ``"auto"`` never traces the kernels)."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
 
 
 def checked_arguments(x, fmt: str, axis: int, scale_mode: str | None, key):

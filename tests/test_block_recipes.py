@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_block_fp8 import reference_block_fp8
+from test_dot_general import outlier_inputs as dense_outlier_inputs
 from test_dot_general import ref_fake_quant, summation_bound, vjp
 
 import jaxmx
@@ -29,17 +30,11 @@ def mx_tile_fake_quant(w, tile):
     return np.asarray(jaxmx.dequantize(jaxmx.quantize(jnp.asarray(w), tile=tile)), np.float64)
 
 
-def outlier_inputs(m, k, n, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
-    g = rng.standard_normal((m, n)).astype(np.float32)
-    x[3] *= 1000.0  # an outlier row
-    x[:, 5] *= 300.0  # an outlier column
-    w[:, 7] *= 500.0
+def outlier_inputs(m, k, n):
+    """test_dot_general's inputs (outlier rows and columns), plus an outlier row of w: one
+    128x128 weight tile then differs from the 1x128 blocks of its rows."""
+    x, w, g = dense_outlier_inputs(m, k, n)
     w[9] *= 200.0
-    g[:, 2] *= 1000.0
-    g[4] *= 50.0
     return x, w, g
 
 

@@ -152,12 +152,9 @@ def block_fp8_supported() -> bool:
 
 @functools.cache
 def _cublaslt_status() -> str:
-    device, reason = _cuda_device()
-    if device is None:
-        return reason
-    cc = compute_capability(device)
+    cc, reason = _device_capability()
     if cc is None:
-        return "could not read the CUDA device's compute capability"
+        return reason
     if cc < _MX_COMPUTE_CAPABILITY:
         return (
             f"device has compute capability {cc[0]}.{cc[1]}; MX block scaling needs >= "
@@ -168,18 +165,26 @@ def _cublaslt_status() -> str:
 
 @functools.cache
 def _block_fp8_status() -> str:
-    device, reason = _cuda_device()
-    if device is None:
-        return reason
-    cc = compute_capability(device)
+    cc, reason = _device_capability()
     if cc is None:
-        return "could not read the CUDA device's compute capability"
+        return reason
     if cc[0] != _BLOCK_FP8_MAJOR:
         return (
             f"device has compute capability {cc[0]}.{cc[1]}; cuBLASLt's block-FP8 scaling "
             f"(1x128 / 128x128 float32 scales) runs on {_BLOCK_FP8_MAJOR}.x (Hopper)"
         )
     return _cublaslt_version_status(_MIN_CUBLASLT_BLOCK_FP8, "block-FP8 scaling")
+
+
+def _device_capability() -> tuple[tuple[int, int] | None, str]:
+    """(the default CUDA device's compute capability, "") or (None, why there is none)."""
+    device, reason = _cuda_device()
+    if device is None:
+        return None, reason
+    cc = compute_capability(device)
+    if cc is None:
+        return None, "could not read the CUDA device's compute capability"
+    return cc, ""
 
 
 def _cublaslt_version_status(minimum: int, what: str) -> str:

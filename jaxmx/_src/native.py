@@ -84,16 +84,21 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     """
     a = _check_mx_operand(a, "a")
     b = _check_mx_operand(b, "b")
-    if not native_pair((a.fmt, b.fmt)):
-        raise NotImplementedError(
-            "mx_matmul: mxfp8_e5m2 x mxfp8_e5m2 is not supported by the native GEMM (cuBLASLt "
-            "has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3); use the emulation backend, or E4M3 "
-            "for one operand"
-        )
+    _check_type_pair(a, b, "mx_matmul")
     check_gemm_pair(a, b, "mx_matmul")
     out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
     extension.register_targets()
     return _mx_call(out_dtype)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
+
+
+def _check_type_pair(a: MXArray, b: MXArray, fn: str) -> None:
+    """cuBLASLt's FP8 type table: E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3 (no E5M2 x E5M2)."""
+    if not native_pair((a.fmt, b.fmt)):
+        raise NotImplementedError(
+            f"{fn}: {a.fmt} x {b.fmt} is not supported by the native GEMM (cuBLASLt has E4M3 x "
+            "E4M3, E4M3 x E5M2 and E5M2 x E4M3); use the emulation backend, or E4M3 for one "
+            "operand"
+        )
 
 
 def _check_mx_operand(q, name: str) -> MXArray:
@@ -202,12 +207,7 @@ def block_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Arra
     """
     a = _check_block_operand(a, "a")
     b = _check_block_operand(b, "b")
-    if not native_pair((a.fmt, b.fmt)):
-        raise NotImplementedError(
-            "block_fp8_matmul: fp8_e5m2_block x fp8_e5m2_block is not supported by the native "
-            "GEMM (cuBLASLt has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3); use the emulation "
-            "backend, or E4M3 for one operand"
-        )
+    _check_type_pair(a, b, "block_fp8_matmul")
     check_gemm_pair(a, b, "block_fp8_matmul")
     out_dtype = check_float_dtype(out_dtype, "block_fp8_matmul: out_dtype")
     extension.register_targets()

@@ -45,6 +45,11 @@ def test_the_native_mx_gemm_computes_the_block_gemm():
 def test_only_block_fp8_arrays_are_taken():
     with pytest.raises(ValueError, match="as_mx takes block-FP8 arrays"):
         as_mx(jaxmx.quantize(jnp.ones((4, 64))))
+    narrow = jaxmx.quantize(
+        jnp.ones((128, 128)), "fp8_e4m3_block", scale_mode="pow2", tile=(128, 64)
+    )
+    with pytest.raises(ValueError, match="tiles must be 128 wide"):
+        as_mx(narrow)
 
 
 @pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")

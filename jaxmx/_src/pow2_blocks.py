@@ -21,7 +21,7 @@ from jax import lax
 
 from jaxmx._src import bits
 from jaxmx._src.formats import get_format
-from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape
+from jaxmx._src.mxarray import MXArray, checked, padded_shape, scale_shape, untiled
 
 MX_OF_BLOCK = {"fp8_e4m3_block": "mxfp8_e4m3", "fp8_e5m2_block": "mxfp8_e5m2"}
 """The MX format with the same elements as each block-FP8 format."""
@@ -37,18 +37,11 @@ def as_mx(q: MXArray) -> MXArray:
     if q.fmt not in MX_OF_BLOCK:
         raise ValueError(f"as_mx takes block-FP8 arrays ({sorted(MX_OF_BLOCK)}), got {q.fmt}")
     mx = get_format(MX_OF_BLOCK[q.fmt])
-    data, scale, axis = q.data, q.scale, q.data_axis
-    if q.tile is not None:  # one scale per tile -> per row, along the last axis
-        rows = q.shape[-2]
-        data = data[..., :rows, :]
-        scale = jnp.repeat(scale, q.tile[0], axis=-2)[..., :rows, :]
-    ratio = q.format.block // mx.block
-    logical_axis = q.ndim - 1 if q.tile is not None else q.axis
-    want_data = padded_shape(q.shape, logical_axis, mx.block)
-    want_scale = scale_shape(q.shape, logical_axis, mx.block)
-    data = lax.slice_in_dim(data, 0, want_data[logical_axis], axis=axis)
-    scale = jnp.repeat(scale, ratio, axis=axis)
-    scale = lax.slice_in_dim(scale, 0, want_scale[logical_axis], axis=axis)
+    q = untiled(q)  # tiles -> 1-D blocks along the last axis, each tile's scale per row
+    axis = q.data_axis
+    data = lax.slice_in_dim(q.data, 0, padded_shape(q.shape, q.axis, mx.block)[q.axis], axis=axis)
+    scale = jnp.repeat(q.scale, q.format.block // mx.block, axis=axis)
+    scale = lax.slice_in_dim(scale, 0, scale_shape(q.shape, q.axis, mx.block)[q.axis], axis=axis)
     byte = (bits.to_bits(scale) >> bits.MANTISSA_BITS) & 0xFF  # 2^k -> k + 127; 2^-127 -> 0
     e8m0 = bits.from_bytes(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
-    return MXArray(data, e8m0, mx.name, logical_axis, q.shape)
+    return MXArray(data, e8m0, mx.name, q.axis, q.shape)

@@ -162,6 +162,25 @@ def max_error(out, ref, abs_sum, out_dtype):
     return float(np.max(np.abs(out - ref) / bound))
 
 
+def check_native_gemm(name, f, a, b, out_dtype, cpu, with_cpu: bool) -> None:
+    """``f(a, b)`` (a native GEMM on the GPU) against the float32 dot of the dequantized operands
+    and, ``with_cpu``, against the same call on the CPU handler."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmx
+
+    out = f(a, b)
+    xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
+    ref = jnp.dot(xd, wd.T, precision="highest", preferred_element_type=jnp.float32)
+    abs_sum = jnp.dot(abs(xd), abs(wd).T, precision="highest")
+    err = max_error(out, ref, abs_sum, out_dtype)
+    check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
+    if with_cpu:
+        err = max_error(out, f(*jax.device_put((a, b), cpu)), abs_sum, out_dtype)
+        check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+
+
 def check_fp8(gpu, cpu, capability):
     import jax
     import jax.numpy as jnp
@@ -320,16 +339,7 @@ def check_mx(gpu, cpu, capability, small=False):
             x, w = exponent_varied(ka, (m, k)), exponent_varied(kb, (n, k))
             a, b = jax.device_put((jaxmx.quantize(x, fa), jaxmx.quantize(w, fb)), gpu)
             f = jax.jit(lambda a, b, o=out_dtype: ffi.mx_matmul(a, b, o))
-            out = f(a, b)
-            xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
-            ref = jnp.dot(xd, wd.T, precision="highest", preferred_element_type=jnp.float32)
-            abs_sum = jnp.dot(abs(xd), abs(wd).T, precision="highest")
-            err = max_error(out, ref, abs_sum, out_dtype)
-            check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
-            if m * n * k <= 2**27:
-                out_cpu = f(*jax.device_put((a, b), cpu))
-                err = max_error(out, out_cpu, abs_sum, out_dtype)
-                check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+            check_native_gemm(name, f, a, b, out_dtype, cpu, with_cpu=m * n * k <= 2**27)
         except Exception as e:
             check(name, False, f"{type(e).__name__}: {e}")
     name = "mx batch dims and vmap"
@@ -399,16 +409,7 @@ def check_block_fp8(gpu, cpu, capability, small=False):
             b = jaxmx.quantize(w, fb, tile=tb)
             a, b = jax.device_put((a, b), gpu)
             f = jax.jit(lambda a, b, o=out_dtype: ffi.block_fp8_matmul(a, b, o))
-            out = f(a, b)
-            xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
-            ref = jnp.dot(xd, wd.T, precision="highest", preferred_element_type=jnp.float32)
-            abs_sum = jnp.dot(abs(xd), abs(wd).T, precision="highest")
-            err = max_error(out, ref, abs_sum, out_dtype)
-            check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
-            if m * n * k <= 2**27:
-                out_cpu = f(*jax.device_put((a, b), cpu))
-                err = max_error(out, out_cpu, abs_sum, out_dtype)
-                check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+            check_native_gemm(name, f, a, b, out_dtype, cpu, with_cpu=m * n * k <= 2**27)
         except Exception as e:
             check(name, False, f"{type(e).__name__}: {e}")
     name = "block fp8 DEEPSEEK_FP8 dot_general forward and backward vs emulation"

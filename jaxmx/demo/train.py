@@ -19,7 +19,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxmx.demo import data
+from jaxmx import diagnostics
+from jaxmx.demo import data, diagnose
 from jaxmx.demo.model import Transformer
 
 
@@ -163,7 +164,7 @@ def train(
     for step in range(1, cfg.steps + 1):
         x, y = (jnp.asarray(a) for a in next(batches))
         if diagnose_every and (step == 1 or step % diagnose_every == 0):
-            taps = taps or _taps(model, x, y)
+            taps = taps or diagnose.taps_for(model, x, y)
             loss = _diagnosed_step(result, step, taps, model, optimizer, x, y)
         else:
             t0 = time.perf_counter()
@@ -190,16 +191,7 @@ def train(
     return result
 
 
-def _taps(model, x, y):
-    from jaxmx.demo import diagnose
-
-    return diagnose.taps_for(model, x, y)
-
-
 def _diagnosed_step(result: RunResult, step: int, taps, model, optimizer, x, y) -> float:
-    from jaxmx import diagnostics
-    from jaxmx.demo import diagnose
-
     loss, forward, tap_grads = diagnose.diagnosed_train_step(model, optimizer, x, y, taps)
     report = diagnostics.telemetry_report(forward, tap_grads)
     result.telemetry[step] = diagnose.as_plain(report)

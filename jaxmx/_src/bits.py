@@ -118,6 +118,36 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     return from_bits(jnp.where(passthrough, bits, out))
 
 
+def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """``a * b`` in float32, rounded to nearest even including subnormal results.
+
+    ``a`` has at most 7 significant bits (e.g. a decoded element times a decoded E4M3 scale) and
+    both are normal, zero, infinite or NaN. Products of at least ``2^-126`` come from the float
+    multiply; smaller ones, which XLA:CPU would flush to zero, from integers: the product of the
+    significands (< 2^31) shifted right with round to nearest even, whose bits are the subnormal
+    result.
+    """
+    product = a * b
+    a_bits, b_bits = to_bits(a), to_bits(b)
+    a_exp = (a_bits >> MANTISSA_BITS) & 0xFF
+    b_exp = (b_bits >> MANTISSA_BITS) & 0xFF
+    a_int = ((a_bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)) >> 17  # 7 bits, exact
+    b_int = (b_bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
+    p = a_int * b_int  # < 2^31; |a * b| = p * 2^(a_exp + b_exp - 283), biased exponents
+    shift = 134 - a_exp - b_exp  # p * 2^-shift in units of 2^-149
+    s = jnp.clip(shift, 1, 30)
+    q = p >> s
+    rest = p & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(jnp.int32)
+    q = jnp.where(shift == 31, (p > (1 << 30)).astype(jnp.int32), q)
+    q = jnp.where(shift > 31, 0, q)
+    sign = (a_bits ^ b_bits) & jnp.int32(-(2**31))
+    tiny = from_bits(q | sign)
+    normal_inputs = (a_exp > 0) & (a_exp < 0xFF) & (b_exp > 0) & (b_exp < 0xFF)
+    return jnp.where(normal_inputs & (shift >= 7), tiny, product)
+
+
 def round_to_grid(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
     """float32 ``v`` rounded to nearest even on the grid of a float format with ``mbits``
     mantissa bits and smallest normal ``2^emin`` (subnormals included, no upper limit).

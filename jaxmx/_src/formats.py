@@ -1,7 +1,8 @@
 """Block-scaled element formats: the static facts a quantizer and a GEMM need about each one.
 
-The OCP MX formats (32-element blocks, E8M0 power-of-two scales) and the block-FP8 formats of
-DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales).
+The OCP MX formats (32-element blocks, E8M0 power-of-two scales), the block-FP8 formats of
+DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales) and NVFP4 (E2M1 in
+16-element blocks, E4M3 block scales and one float32 scale per tensor).
 
 Example:
     >>> from jaxmx._src.formats import get_format
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +34,9 @@ class Format:
         mbits: explicit mantissa bits of the element format.
         emin: exponent of the smallest normal element (subnormals share its quantum).
         block: elements per scale along the block axis (32 for every OCP MX format, 128 for
-            block FP8).
-        scale_dtype: ``float8_e8m0fnu`` (MX: powers of two) or ``float32`` (block FP8).
+            block FP8, 16 for NVFP4).
+        scale_dtype: ``float8_e8m0fnu`` (MX: powers of two), ``float32`` (block FP8) or
+            ``float8_e4m3fn`` (NVFP4, which adds a float32 scale per tensor).
     """
 
     name: str
@@ -53,7 +56,14 @@ class Format:
     @property
     def scale_modes(self) -> tuple[str, ...]:
         """The scale rules this format takes (the first is the default)."""
+        if self.has_global_scale:
+            return NVFP4_SCALE_MODES
         return SCALE_MODES if self.is_mx else BLOCK_SCALE_MODES
+
+    @property
+    def has_global_scale(self) -> bool:
+        """Whether a float32 per-tensor scale sits above the block scales (NVFP4)."""
+        return self.scale_dtype == E4M3
 
     @property
     def elem_max_mantissa(self) -> int:
@@ -102,6 +112,16 @@ FORMATS: dict[str, Format] = {
             block=128,
             scale_dtype=jnp.dtype(jnp.float32),
         ),
+        Format(
+            "nvfp4",
+            jnp.dtype(jnp.float4_e2m1fn),
+            6.0,
+            emax=2,
+            mbits=1,
+            emin=0,
+            block=16,
+            scale_dtype=E4M3,
+        ),
     )
 }
 
@@ -125,6 +145,11 @@ BLOCK_SCALE_MODES = ("fp32", "pow2")
 
 Both: an all-zero block has ``s = 1``, a block holding NaN or inf has ``s = NaN``.
 """
+
+
+NVFP4_SCALE_MODES = ("e4m3",)
+"""NVFP4's one scale rule (:mod:`jaxmx._src.nvfp4`): the per-tensor scale
+``g = amax / (448 * 6)`` and the block scale ``E4M3((block_amax / 6) / g)``."""
 
 
 def get_format(fmt: str | Format) -> Format:

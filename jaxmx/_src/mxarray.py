@@ -37,6 +37,8 @@ class MXArray:
         shape: the logical, unpadded shape (static).
         tile: ``None`` (1-D blocks along ``axis``) or ``(rows, cols)``: one scale per tile of the
             last two axes (static).
+        global_scale: NVFP4 only: the float32 per-tensor scale ``g`` (a value is
+            ``code * scale * g``), shape ``()``; ``None`` for every other format.
 
     Under ``vmap`` the leaves may carry extra leading dimensions that ``shape`` does not list.
     Every jaxmx function that consumes an MXArray checks it first (:func:`checked`), so a
@@ -49,6 +51,7 @@ class MXArray:
     axis: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    global_scale: jax.Array | None = None
 
     @property
     def format(self) -> Format:
@@ -106,7 +109,7 @@ def swap_last_axes(q: MXArray) -> MXArray:
     shape = (*q.shape[:-2], q.shape[-1], q.shape[-2])
     tile = None if q.tile is None else q.tile[::-1]
     data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
-    return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile)
+    return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
 
 
 def untiled(q: MXArray) -> MXArray:
@@ -123,7 +126,7 @@ def untiled(q: MXArray) -> MXArray:
     n = q.shape[-2]
     data = q.data[..., :n, :]
     scale = jnp.repeat(q.scale, rows, axis=-2)[..., :n, :]
-    return MXArray(data, scale, q.fmt, q.axis, q.shape)
+    return MXArray(data, scale, q.fmt, q.axis, q.shape, global_scale=q.global_scale)
 
 
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
@@ -182,7 +185,25 @@ def checked(q, where: str) -> MXArray:
             f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
             f"leading batch dims), got codes {data.shape} and scales {scale.shape}"
         )
-    return MXArray(data, scale, f.name, q.axis, shape, tile)
+    global_scale = _checked_global_scale(q.global_scale, f, data.shape[: data.ndim - n], where)
+    return MXArray(data, scale, f.name, q.axis, shape, tile, global_scale)
+
+
+def _checked_global_scale(g, f: Format, batch: tuple[int, ...], where: str):
+    """``g`` as a float32 array shaped like the leaves' extra leading dims (NVFP4), or None."""
+    if not f.has_global_scale:
+        if g is not None:
+            raise ValueError(f"{where}: an {f.name} MXArray has no global_scale, got one")
+        return None
+    if g is None:
+        raise ValueError(f"{where}: an {f.name} MXArray needs its float32 global_scale, got None")
+    g = jnp.asarray(g)
+    if g.dtype != jnp.float32 or g.shape != batch:
+        raise TypeError(
+            f"{where}: an {f.name} MXArray's global_scale must be float32 of shape {batch}, got "
+            f"{g.dtype}{g.shape}"
+        )
+    return g
 
 
 def check_tile(tile, ndim: int, where: str) -> tuple[int, int] | None:

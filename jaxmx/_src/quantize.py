@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src import bits
+from jaxmx._src import bits, nvfp4
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import Format, check_scale_mode, get_format
@@ -45,19 +45,20 @@ def quantize(
     key: jax.Array | None = None,
     tile: tuple[int, int] | None = None,
     impl: str = "auto",
+    global_scale: jax.Array | None = None,
 ) -> MXArray:
     """Quantizes ``x`` in blocks of consecutive elements along ``axis`` (32 for the MX formats,
-    128 for block FP8), or in 2-D tiles of its last two axes.
+    128 for block FP8, 16 for NVFP4), or in 2-D tiles of its last two axes.
 
     Args:
         x: a float32, bfloat16 or float16 array of any rank >= 1.
-        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"`` or
-            ``"fp8_e5m2_block"``.
+        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"``,
+            ``"fp8_e5m2_block"`` or ``"nvfp4"``.
         axis: the block axis; padded with zeros to a multiple of the block when needed.
         scale_mode: the scale rule; ``None`` takes the format's default. MX formats:
             ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"`` (see
             :data:`jaxmx.SCALE_MODES`); block FP8: ``"fp32"`` (default) or ``"pow2"`` (see
-            :data:`jaxmx.BLOCK_SCALE_MODES`).
+            :data:`jaxmx.BLOCK_SCALE_MODES`); NVFP4: ``"e4m3"``, its only rule.
         key: a PRNG key to round elements stochastically (unbiased); ``None`` rounds to nearest
             even.
         tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
@@ -66,14 +67,19 @@ def quantize(
         impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
             ``"xla"`` or ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes
             either way.
-            The Pallas kernels cover 1-D MX blocks: tiles and block FP8 take ``"xla"`` under
-            ``"auto"``, and ``"pallas"`` refuses them.
+            The Pallas kernels cover 1-D MX blocks: tiles, block FP8 and NVFP4 take ``"xla"``
+            under ``"auto"``, and ``"pallas"`` refuses them.
+        global_scale: NVFP4 only: the float32 per-tensor scale ``g`` to use (at least
+            ``2^-126``); ``None`` (default) computes ``amax(|x|) / (448 * 6)``.
 
     Returns:
         An :class:`MXArray`. MX formats: a block that holds a NaN or an infinity gets the NaN
         scale (0xFF) and dequantizes to NaN; an all-zero block gets the smallest scale (byte 0)
         and zero elements. Block FP8: scales are float32, NaN for a block holding NaN or inf, 1
         for an all-zero block; elements are ``x / s`` rounded to nearest even, saturating.
+        NVFP4: E4M3 block scales and ``global_scale`` ``g`` as :mod:`jaxmx._src.nvfp4` defines
+        them (a value is ``code * scale * g``); a block (or tensor) holding NaN or inf
+        dequantizes to NaN.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -85,18 +91,23 @@ def quantize(
     """
     x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
     tile = _checked_tile(tile, x.ndim, axis)
+    global_scale = nvfp4.checked_global_scale(global_scale, f)
     padded = padded_shape(x.shape, axis, f.block, tile)
 
-    def shaped(data, scale):
-        return data.reshape(padded), scale.reshape(scale_shape(x.shape, axis, f.block, tile))
+    def shaped(data, scale, g=None):
+        return data.reshape(padded), scale.reshape(scale_shape(x.shape, axis, f.block, tile)), g
 
     def xla(x):
         if tile is None:
             xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
         else:
             xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
-        data, scale = _quantize_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
-        return shaped(untile(data, padded, tile) if tile else data, scale)
+        noise = uniform_noise(key, xb.shape)
+        if f.has_global_scale:
+            data, scale, g = nvfp4.quantize_blocks(xb, f, global_scale, _rounding(f, noise))
+        else:
+            (data, scale), g = _quantize_blocks(xb, f, scale_mode, noise), None
+        return shaped(untile(data, padded, tile) if tile else data, scale, g)
 
     def pallas(x, interpret):
         from jaxmx._src import pallas_quantize  # it builds on this module
@@ -105,7 +116,7 @@ def quantize(
 
     if tile is not None or not f.is_mx:
         impl = _xla_only(impl, "tiles" if tile is not None else f.name)
-    data, scale = dispatch(impl, xla, pallas, x)
+    data, scale, g = dispatch(impl, xla, pallas, x)
     return MXArray(
         data=data,
         scale=scale,
@@ -113,7 +124,16 @@ def quantize(
         axis=axis,
         shape=tuple(x.shape),
         tile=tile,
+        global_scale=g,
     )
+
+
+def _rounding(f: Format, noise):
+    """The rounding of scaled elements before clipping: stochastic with ``noise``, else none
+    (the encoder rounds to nearest even)."""
+    if noise is None:
+        return lambda values: values
+    return lambda values: _round_stochastically(values, f, noise)
 
 
 def _checked_tile(tile, ndim: int, axis: int) -> tuple[int, int] | None:
@@ -167,13 +187,31 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
     else:
         values = tiles(values, q.tile)
         scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)
-    # exact for E8M0 scales (subnormal results included); a float32 product for float32 ones
-    out = scale_back(values, scale_exponent_bytes(scale)) if f.is_mx else values * scale
+    out = _scaled(values, scale, q)
     out = untile(out, q.data.shape, q.tile) if q.tile else out.reshape(q.data.shape)
+    out = _times_global_scale(out, q)
     for i, n in enumerate(q.shape[-2:] if q.tile else (q.shape[q.axis],)):
         axis = out.ndim - 2 + i if q.tile else q.data_axis
         out = lax.slice_in_dim(out, 0, n, axis=axis)
     return out.astype(dtype)
+
+
+def _scaled(values, scale, q: MXArray) -> jax.Array:
+    """Decoded elements times their block scales (for NVFP4, not yet its tensor scale)."""
+    if q.format.is_mx:  # exact, subnormal results included
+        return scale_back(values, scale_exponent_bytes(scale))
+    if q.format.has_global_scale:  # code * s: exact
+        return values * bits.decode_fp8(bits.as_bytes(scale), 3, -6, ieee_specials=False)
+    return values * scale  # block FP8: a float32 product
+
+
+def _times_global_scale(out: jax.Array, q: MXArray) -> jax.Array:
+    """NVFP4: ``out`` (codes times block scales, shaped like ``q.data``) times the tensor scale,
+    rounded as IEEE float32 (one scale per leading vmap dimension)."""
+    if not q.format.has_global_scale:
+        return out
+    g = q.global_scale
+    return bits.multiply_exact(out, g.reshape(g.shape + (1,) * (out.ndim - g.ndim)))
 
 
 def scale_back(values: jax.Array, byte: jax.Array) -> jax.Array:

@@ -3,7 +3,7 @@
 Example:
     >>> import jaxmx
     >>> jaxmx.recipes.MXFP8
-    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest', accum_bits=None, promote_every=None, weight_tile=None)
+    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest', accum_bits=None, promote_every=None, weight_tile=None, rht=False, rht_seed=0)
     >>> jaxmx.Recipe(grad="mxfp8_e5m2") == jaxmx.recipes.MXFP8_HYBRID
     True
 """  # noqa: E501
@@ -13,8 +13,19 @@ from jaxmx._src.recipes import (
     FP8_BLOCK_POW2,
     MXFP8,
     MXFP8_2D,
+    MXFP4,
     MXFP8_HYBRID,
+    NVFP4,
     Recipe,
 )
 
-__all__ = ["DEEPSEEK_FP8", "FP8_BLOCK_POW2", "MXFP8", "MXFP8_2D", "MXFP8_HYBRID", "Recipe"]
+__all__ = [
+    "DEEPSEEK_FP8",
+    "FP8_BLOCK_POW2",
+    "MXFP4",
+    "MXFP8",
+    "MXFP8_2D",
+    "MXFP8_HYBRID",
+    "NVFP4",
+    "Recipe",
+]

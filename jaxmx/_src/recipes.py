@@ -47,6 +47,12 @@ class Recipe:
         weight_tile: ``None``, or ``(block, block)`` of ``fwd``'s block: the weight (the rhs of
             :func:`jaxmx.dot_general`) is quantized once per step in 2-D tiles, and the same
             bytes serve the forward GEMM and, transposed, the input-gradient GEMM.
+        rht: apply the random Hadamard transform (:func:`jaxmx.rht`, 16x16 blocks) to both
+            operands of the weight-gradient GEMM along its reduction axis before they are
+            quantized: the product is unchanged in exact arithmetic, and outliers are spread
+            over their 16-blocks.
+        rht_seed: the seed of the transform's random signs (one fixed sign vector for every
+            layer and step, derived from ``jax.random.key(rht_seed)``).
     """
 
     fwd: str = "mxfp8_e4m3"
@@ -58,6 +64,8 @@ class Recipe:
     accum_bits: int | None = None
     promote_every: int | None = None
     weight_tile: tuple[int, int] | None = None
+    rht: bool = False
+    rht_seed: int = 0
 
     def __post_init__(self):
         fwd, grad = get_format(self.fwd), get_format(self.grad)
@@ -120,3 +128,27 @@ each GEMM's reduction axis, weights in 128x128 tiles, float32 scales (``amax / 4
 
 FP8_BLOCK_POW2 = DEEPSEEK_FP8.replace(scale_mode="pow2")
 """:data:`DEEPSEEK_FP8` with power-of-two scales."""
+
+NVFP4 = Recipe(
+    fwd="nvfp4",
+    grad="nvfp4",
+    scale_mode="e4m3",
+    weight_tile=(16, 16),
+    rht=True,
+    grad_rounding="stochastic",
+)
+"""NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149): E2M1 in 16-blocks with E4M3 scales and
+a float32 tensor scale for every operand, 16x16 weight tiles, the random Hadamard transform on
+the weight-gradient GEMM and stochastic rounding of gradients. (The paper also keeps the last
+layers in higher precision: ``quantize_model(..., keep_last=N)``.)"""
+
+MXFP4 = Recipe(
+    fwd="mxfp4",
+    grad="mxfp4",
+    weight_tile=(32, 32),
+    rht=True,
+    grad_rounding="stochastic",
+)
+"""The same recipe in MXFP4: E2M1 in 32-blocks with E8M0 scales (rceil), 32x32 weight tiles,
+the random Hadamard transform on the weight-gradient GEMM and stochastic rounding of
+gradients."""

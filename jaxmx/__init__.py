@@ -18,7 +18,14 @@ from jaxmx._src.backends import BACKENDS, backends
 from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
 from jaxmx._src.einsum import einsum
 from jaxmx._src.fake_quantize import fake_quantize
-from jaxmx._src.formats import BLOCK_SCALE_MODES, FORMATS, SCALE_MODES, Format
+from jaxmx._src.formats import (
+    BLOCK_SCALE_MODES,
+    FORMATS,
+    NVFP4_SCALE_MODES,
+    SCALE_MODES,
+    Format,
+)
+from jaxmx._src.hadamard import rht
 from jaxmx._src.keys import stochastic_rounding
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray
@@ -34,6 +41,7 @@ __all__ = [
     "FORMATS",
     "LHS_COLWISE",
     "LHS_INPUT",
+    "NVFP4_SCALE_MODES",
     "RHS_COLWISE",
     "RHS_INPUT",
     "SCALE_MODES",
@@ -55,6 +63,7 @@ __all__ = [
     "quantize_rowwise_colwise",
     "ragged_dot",
     "recipes",
+    "rht",
     "stochastic_rounding",
     "swizzle_scales",
     "unswizzle_scales",

@@ -52,6 +52,7 @@ from jaxmx._src.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
 from jaxmx._src.fake_quantize import quantize_to_grid
 from jaxmx._src.formats import get_format
+from jaxmx._src.hadamard import rht
 from jaxmx._src.matmul import matmul
 from jaxmx._src.mxarray import MXArray, swap_last_axes
 from jaxmx._src.pow2_blocks import as_mx
@@ -260,8 +261,9 @@ def _forward(static: _Static, x, w, key, training: bool):
         return y, None
     if r.residuals == "quantized":
         w_col = w_fwd if r.weight_tile else _quantize(w, r.fwd, -2, r.scale_mode, False)
+        x_col = _quantize(_wgrad_input(x, r), r.fwd, -2, r.scale_mode, False)
         saved = (
-            _named(_quantize(x, r.fwd, -2, r.scale_mode, False), LHS_COLWISE),
+            _named(x_col, LHS_COLWISE),
             _named(w_col, RHS_COLWISE),
         )
     else:
@@ -275,16 +277,25 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:
-        x_col = _Operand(x_saved, r.fwd, -2)
+        x_col = _Operand(_wgrad_input(x_saved, r), r.fwd, -2)
         w_col = _tiled(w_saved, r.fwd, r) if r.weight_tile else _Operand(w_saved, r.fwd, -2)
     if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
         w_col = swap_last_axes(w_col)
     row_key, col_key = keys.copy_keys(key)
     g_row = _Operand(g, r.grad, -1, row_key)  # [B, M, N] along N
-    g_col = _Operand(g, r.grad, -2, col_key)  # along M
+    g_col = _Operand(_wgrad_input(g, r), r.grad, -2, col_key)  # along M
     dx = _gemm(r, g_row, w_col, static.lhs_dtype)  # [B, M, K], reduces N
     dw = _gemm(r, g_col, x_col, static.rhs_dtype)  # [B, N, K], reduces M
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
+
+
+def _wgrad_input(x, r: Recipe):
+    """An operand [B, M, *] of the weight-gradient GEMM, which reduces M: with ``r.rht``, its
+    random Hadamard transform along M (the same for both operands, so the product is
+    unchanged; M is zero-padded to a multiple of 16)."""
+    if not r.rht:
+        return x
+    return rht(x, axis=-2, key=jax.random.key(r.rht_seed))
 
 
 def _vma_like(ct, primal):

@@ -12,6 +12,10 @@ about ``2^100`` below their rows' largest blocks can round to zero, and on XLA:C
 float32 subnormals) subnormal results become zero. The native GEMM keeps both. Codes in the
 padding of a K that is not a multiple of the block are ignored, whatever they hold.
 
+NVFP4 operands (:mod:`jaxmx._src.nvfp4`) enter the dot as ``code * s`` (exact: at most 6
+significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
+``alpha = g_a * g_b``, their tensor scales' float32 product, as cuBLASLt applies alpha.
+
 Operands are fed to the dot as bfloat16 on accelerators (exact: a code times a power of two has
 at most 4 significant bits, and bf16 x bf16 products are exact in float32) and as float32 on the
 CPU, decided per lowering platform.
@@ -65,22 +69,38 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
             shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
             half = shift // 2  # two exact factors: each within float32's exponent range
             out = out * bits.pow2(half) * bits.pow2(shift - half)
-            return out.astype(out_dtype)
+            return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
 
         return gemm
 
     return lax.platform_dependent(a, b, cpu=run(jnp.float32), default=run(jnp.bfloat16))
 
 
+def _alpha(a, b, ndim: int) -> jax.Array:
+    """``g_a * g_b`` (1 for operands without a tensor scale), broadcast against the result."""
+    alpha = jnp.float32(1.0)
+    for q in (a, b):
+        if getattr(q, "global_scale", None) is not None:
+            g = q.global_scale
+            alpha = alpha * g.reshape(g.shape + (1,) * (ndim - g.ndim))
+    return alpha
+
+
 def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
     """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
-    row's values decoded relative to its largest (finite) scale, so at most ``elem_max``."""
+    row's values decoded relative to its largest (finite) scale, so at most ``elem_max``.
+    NVFP4: ``code * s`` per element and s = 0 (the tensor scale is left out)."""
     f = q.format
     data, k = q.data, q.data_axis
     n_blocks = q.scale.shape[k]
     # blocks: [..., rows, KB, block] (K last) or [..., KB, block, rows] (K first)
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
     values = element_values(q).reshape(blocked)
+    if f.has_global_scale:
+        s = bits.decode_fp8(bits.as_bytes(q.scale), 3, -6, ieee_specials=False)
+        scaled = values * jnp.expand_dims(s, k + 1)
+        row_max = jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
+        return _without_padding(scaled, q, blocked).reshape(data.shape).astype(dtype), row_max
     byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
     exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
     # over K, per row (an empty K gives the smallest exponent)
@@ -90,10 +110,17 @@ def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
     scaled = values * bits.pow2(jnp.maximum(relative, -126))
     scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
     scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
-    if q.shape[q.axis] != data.shape[k]:  # zero the padding codes along K, whatever they hold
+    scaled = _without_padding(scaled, q, blocked)
+    row_max = jnp.squeeze(row_max, (k, k + 1))
+    return scaled.reshape(data.shape).astype(dtype), row_max
+
+
+def _without_padding(scaled, q, blocked):
+    """``scaled`` (blocked values) with the padding codes along K zeroed, whatever they hold."""
+    f, k = q.format, q.data_axis
+    if q.shape[q.axis] != q.data.shape[k]:
         index = lax.broadcasted_iota(jnp.int32, blocked, k) * f.block + lax.broadcasted_iota(
             jnp.int32, blocked, k + 1
         )
         scaled = jnp.where(index < q.shape[q.axis], scaled, 0)
-    row_max = jnp.squeeze(row_max, (k, k + 1))
-    return scaled.reshape(data.shape).astype(dtype), row_max
+    return scaled

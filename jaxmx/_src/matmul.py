@@ -89,8 +89,10 @@ def _limited(a, b, out_dtype, backend, accum_bits, promote_every) -> jax.Array:
 
 
 def _emulate(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
-    """The exact MX emulation, or the float32 one for float32-scaled and narrow-tiled operands."""
-    if a.format.is_mx and b.format.is_mx and _untileable(a) and _untileable(b):
+    """The exact emulation (MX formats, NVFP4), or the float32 one for float32-scaled (block
+    FP8), narrow-tiled and differently blocked (NVFP4 with MX) operands."""
+    same_blocks = a.format.block == b.format.block
+    if same_blocks and all(q.fmt not in BLOCK_FP8_FORMATS and _untileable(q) for q in (a, b)):
         return emulated_matmul(untiled(a), untiled(b), out_dtype)
     return dequantized_matmul(a, b, out_dtype)
 

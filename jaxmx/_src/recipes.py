@@ -79,6 +79,10 @@ class Recipe:
                 )
             object.__setattr__(self, "weight_tile", (fwd.block, fwd.block))
         check_backend(self.backend)
+        if not isinstance(self.rht, bool):
+            raise TypeError(f"Recipe.rht must be True or False, got {self.rht!r}")
+        if isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int):
+            raise TypeError(f"Recipe.rht_seed must be an int, got {self.rht_seed!r}")
         _check_choice("residuals", self.residuals, RESIDUALS)
         _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
         if self.accum_bits is None and self.promote_every is not None:

@@ -11,9 +11,9 @@ Example:
 from jaxmx._src.recipes import (
     DEEPSEEK_FP8,
     FP8_BLOCK_POW2,
+    MXFP4,
     MXFP8,
     MXFP8_2D,
-    MXFP4,
     MXFP8_HYBRID,
     NVFP4,
     Recipe,

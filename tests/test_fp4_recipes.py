@@ -74,8 +74,13 @@ def test_nvfp4_recipe_forward_and_input_gradient_share_the_weight_tiles():
     want_y = jaxmx.matmul(jaxmx.quantize(x[None], "nvfp4"), w_tiles, jnp.float32)[0]
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
     w_t = jaxmx.MXArray(  # the same bytes, transposed: [K, N] tiled, blocked along N
-        w_tiles.data.swapaxes(-1, -2), w_tiles.scale.swapaxes(-1, -2), "nvfp4", 2,
-        (1, 48, 40), (16, 16), w_tiles.global_scale,
+        w_tiles.data.swapaxes(-1, -2),
+        w_tiles.scale.swapaxes(-1, -2),
+        "nvfp4",
+        2,
+        (1, 48, 40),
+        (16, 16),
+        w_tiles.global_scale,
     )
     want_dx = jaxmx.matmul(jaxmx.quantize(g[None], "nvfp4"), w_t, jnp.float32)[0]
     np.testing.assert_array_equal(np.asarray(dx), np.asarray(want_dx))
@@ -107,9 +112,9 @@ def test_recipe_errors():
         jaxmx.Recipe(fwd="nvfp4", grad="nvfp4", scale_mode="e4m3", weight_tile=(32, 32))
     with pytest.raises(ValueError, match="unknown scale_mode 'rceil' for nvfp4"):
         jaxmx.Recipe(fwd="nvfp4", grad="nvfp4")
-    with pytest.raises(TypeError, match="Recipe.rht must be"):
+    with pytest.raises(TypeError, match=r"Recipe\.rht must be"):
         jaxmx.Recipe(rht=1)
-    with pytest.raises(TypeError, match="Recipe.rht_seed must be an int"):
+    with pytest.raises(TypeError, match=r"Recipe\.rht_seed must be an int"):
         jaxmx.Recipe(rht=True, rht_seed=1.5)
     with pytest.raises(ValueError, match="accum_bits models MX GEMMs only"):
         jaxmx.recipes.NVFP4.replace(accum_bits=14)

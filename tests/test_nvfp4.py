@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxmx
+from jaxmx._src.mxarray import swap_last_axes, untiled
 
 F32 = np.float32
 FLOAT32_MAX = F32(np.finfo(np.float32).max)
@@ -72,13 +73,15 @@ def adversarial(rng, shape):
     flat[picks[n // 10 : n // 5]] *= F32(2.0**-140)  # subnormal
     flat[picks[n // 5 : n // 5 + 3]] = F32(3e38)
     ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
-    flat[picks[n // 4 : n // 4 + n // 10]] = rng.choice(ties, n // 10) * rng.choice([-1, 1], n // 10)
+    signs = rng.choice([-1, 1], n // 10)
+    flat[picks[n // 4 : n // 4 + n // 10]] = rng.choice(ties, n // 10) * signs
     return x
 
 
 def assert_matches(q, x, **kw):
     codes, scales, g, values = reference_nvfp4(x, **kw)
-    np.testing.assert_array_equal(np.asarray(q.global_scale).view(np.uint32), np.array(g).view(np.uint32))
+    got_g = np.asarray(q.global_scale).view(np.uint32)
+    np.testing.assert_array_equal(got_g, np.array(g).view(np.uint32))
     np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), scales.view(np.uint8))
     np.testing.assert_array_equal(np.asarray(q.data).view(np.uint8), codes.view(np.uint8))
     got = np.asarray(jaxmx.dequantize(q))
@@ -101,9 +104,7 @@ def test_tiles_match_reference(shape):
     assert_matches(jaxmx.quantize(x, "nvfp4", tile=(16, 16)), x, tile=(16, 16))
 
 
-@pytest.mark.parametrize(
-    "scale_exponent", [-150, -140, -135, -128, -126, -120, -100, 0, 100, 120]
-)
+@pytest.mark.parametrize("scale_exponent", [-150, -140, -135, -128, -126, -120, -100, 0, 100, 120])
 def test_tiny_and_huge_tensors(scale_exponent):
     """Tensors whose tensor scale is tiny (subnormal intermediates, r overflowing) or huge."""
     rng = np.random.default_rng(scale_exponent + 200)
@@ -158,13 +159,13 @@ def test_stochastic_rounding_is_unbiased():
     assert on_grid.all()
 
 
-def test_mxarray_carries_the_global_scale():
-    q = jaxmx.quantize(jnp.ones((32, 16)), "nvfp4", tile=(16, 16))
-    t = jaxmx.swap_last_axes(q) if hasattr(jaxmx, "swap_last_axes") else None
-    leaves = jax.tree.leaves(q)
-    assert len(leaves) == 3 and leaves[2].dtype == jnp.float32
-    if t is not None:
-        assert t.global_scale is q.global_scale
+def test_transposed_and_untiled_views_keep_the_global_scale():
+    x = adversarial(np.random.default_rng(12), (32, 48))
+    q = jaxmx.quantize(x, "nvfp4", tile=(16, 16))
+    assert [leaf.dtype for leaf in jax.tree.leaves(q)][2] == jnp.float32
+    values = np.asarray(jaxmx.dequantize(q))
+    np.testing.assert_array_equal(np.asarray(jaxmx.dequantize(swap_last_axes(q))), values.T)
+    np.testing.assert_array_equal(np.asarray(jaxmx.dequantize(untiled(q))), values)
 
 
 def test_errors():
@@ -185,4 +186,5 @@ def test_errors():
         )
     with pytest.raises(ValueError, match="has no global_scale"):
         m = jaxmx.quantize(jnp.ones(32), "mxfp4")
-        jaxmx.dequantize(jaxmx.MXArray(m.data, m.scale, "mxfp4", 0, (32,), global_scale=q.global_scale))
+        g = q.global_scale
+        jaxmx.dequantize(jaxmx.MXArray(m.data, m.scale, "mxfp4", 0, (32,), global_scale=g))

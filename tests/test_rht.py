@@ -25,8 +25,10 @@ def reference_rht(x: np.ndarray, axis: int, signs: np.ndarray) -> np.ndarray:
     return np.moveaxis(out.reshape(moved.shape), -1, axis)
 
 
-@pytest.mark.parametrize("shape, axis, size", [((40, 3), 0, 16), ((2, 5, 64), -1, 16),
-                                               ((7, 24), 1, 8), ((3, 64), -1, 32)])
+@pytest.mark.parametrize(
+    "shape, axis, size",
+    [((40, 3), 0, 16), ((2, 5, 64), -1, 16), ((7, 24), 1, 8), ((3, 64), -1, 32)],
+)
 def test_matches_reference(shape, axis, size):
     key = jax.random.key(4)
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)

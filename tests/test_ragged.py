@@ -93,6 +93,8 @@ def test_bad_inputs():
     sizes = jnp.asarray(SIZES)
     with pytest.raises(NotImplementedError, match="no native grouped MX GEMM"):
         jaxmx.ragged_dot(lhs, rhs, sizes, recipe=jaxmx.recipes.MXFP8.replace(backend="ffi"))
+    with pytest.raises(NotImplementedError, match=r"Recipe\.rht .* not available"):
+        jaxmx.ragged_dot(lhs, rhs, sizes, recipe=jaxmx.recipes.MXFP8.replace(rht=True))
     with pytest.raises(ValueError, match=r"rhs \[g, k, n\] with the same k"):
         jaxmx.ragged_dot(lhs, rhs[:, :32], sizes)
     with pytest.raises(ValueError, match="group_sizes must be"):

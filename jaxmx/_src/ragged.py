@@ -76,6 +76,11 @@ def ragged_dot(
             "jaxmx.ragged_dot: Recipe.weight_tile (2-D weight tiles) is not available for "
             "grouped GEMMs; use a recipe without it"
         )
+    if recipe.rht:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.rht (the random Hadamard transform of the weight-gradient "
+            "GEMM) is not available for grouped GEMMs; use recipe.replace(rht=False)"
+        )
     if recipe.accum_bits is not None:
         raise NotImplementedError(
             "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "

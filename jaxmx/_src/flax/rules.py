@@ -68,9 +68,8 @@ def unmatched(rule: Rule, paths: Iterable[str]) -> list[str]:
     return [p for p in patterns(rule) if not any(matches(path, (p,)) for path in paths)]
 
 
-_NUMBERED = re.compile(r"(.*_)?(\d+)")
-BLOCK_FORMS = "a path component that is an integer or ends in _<int>: blocks/0, layers_0, block_0"
-"""What :func:`block_of` looks for, as error messages say it."""
+_NUMBERED = re.compile(r"(.*_)?(\d+)")  # a block component: "3", "layers_3"
+_BLOCK_FORMS = "a path component that is an integer or ends in _<int>: blocks/0, layers_0, block_0"
 
 
 def block_of(path: str) -> tuple[str, int] | None:
@@ -105,7 +104,7 @@ def last_blocks(paths: Iterable[str], n: int) -> frozenset[tuple[str, int]]:
             stacks.setdefault(block[0], set()).add(block[1])
     if not stacks:
         raise ValueError(
-            f"quantize_model: keep_last={n} needs numbered blocks ({BLOCK_FORMS}), but no layer "
+            f"quantize_model: keep_last={n} needs numbered blocks ({_BLOCK_FORMS}), but no layer "
             f"to convert lies in one: {sorted(paths)}; use keep= patterns instead"
         )
     kept = set()

@@ -2,9 +2,14 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
 import jaxmx
+import jaxmx.demo.train as demo_train
 from jaxmx.demo import data, report
 from jaxmx.demo.__main__ import main, parse_args
 from jaxmx.demo.train import Config, get_recipe, train
@@ -24,6 +29,7 @@ def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
     history = json.loads((tmp_path / "history.json").read_text())
     runs = history["runs"]
     assert set(runs) == {"bf16", "mxfp8"}
+    assert history["config"]["keep_last"] == 0  # the FP8 recipes keep no block by default
     for run in runs.values():
         assert len(run["train_loss"]) == 30 and run["val_steps"] == [10, 20, 30]
         assert np.isfinite(run["train_loss"]).all() and np.isfinite(run["val_loss"]).all()
@@ -50,6 +56,7 @@ def test_cli_flags_and_recipes():
     recipe = get_recipe(args.recipe, args.backend)
     assert recipe == jaxmx.recipes.MXFP8_HYBRID.replace(backend="emulate")
     assert get_recipe("mxfp8") == jaxmx.recipes.MXFP8
+    assert get_recipe("nvfp4") == jaxmx.recipes.NVFP4 and get_recipe("mxfp4") == jaxmx.recipes.MXFP4
     defaults = parse_args([])
     assert (defaults.steps, defaults.d_model, defaults.layers) == (
         Config.steps,
@@ -103,3 +110,86 @@ def test_demo_diagnose_and_seed_band(tmp_path, capsys):
     )
     plain = train(cfg, jaxmx.recipes.MXFP8, progress=False)
     np.testing.assert_allclose(mx["train_loss"], plain.train_loss, rtol=1e-6)
+
+
+def test_keep_last_blocks_are_bf16_and_stochastic_rounding_is_seeded():
+    cfg = Config(
+        steps=3,
+        d_model=32,
+        layers=2,
+        heads=2,
+        seq_len=32,
+        batch=8,
+        lr=1e-2,
+        eval_every=0,
+        eval_batches=1,
+        keep_last=1,
+    )
+    # Trains at all only if every step supplies a key: without one, jaxmx raises.
+    stochastic = jaxmx.recipes.MXFP8.replace(grad_rounding="stochastic")
+    run = train(cfg, stochastic, progress=False)
+    # The layers of the last block compute exactly what the stock BF16 layer does with the
+    # same (trained) weights; those of block 0 are quantized.
+    x = jax.random.normal(jax.random.key(5), (4, 8, 32))
+    bf16_like = {}
+    for path, layer in nnx.iter_modules(run.model):
+        if isinstance(layer, nnx.Linear) and layer.in_features == 32:
+            stock = nnx.Linear(
+                32, layer.out_features, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
+            )
+            nnx.update(stock, nnx.state(layer))
+            bf16_like["/".join(map(str, path))] = bool((layer(x) == stock(x)).all())
+    assert bf16_like == {
+        "blocks/0/attn/qkv": False,
+        "blocks/0/attn/out": False,
+        "blocks/0/mlp/up": False,
+        "blocks/1/attn/qkv": True,
+        "blocks/1/attn/out": True,
+        "blocks/1/mlp/up": True,
+        "head": True,  # never converted
+    }
+    # The per-step keys come from the seed: a rerun (same compiled step) is identical.
+    assert train(cfg, stochastic, progress=False).train_loss == run.train_loss
+
+
+def test_demo_ablate_table(tmp_path, capsys, monkeypatch):
+    """``--ablate --recipe nvfp4`` trains the variants below (a stand-in ``train`` records them
+    and returns made-up losses: the i-th run's is 2 (1 + i / 100)), and tabulates their gaps to
+    BF16."""
+    trained = []
+
+    def fake_train(cfg, recipe, *, name, progress):
+        loss = [2.0 * (1 + len(trained) / 100)]
+        trained.append((name, recipe, cfg.keep_last))
+        return demo_train.RunResult(name, [4], loss, [4], loss)
+
+    monkeypatch.setattr(demo_train, "train", fake_train)
+    args = [*TINY, "--steps", "4", "--layers", "2", "--recipe", "nvfp4"]
+    assert main([*args, "--ablate", "--out", str(tmp_path)]) == 0
+    nvfp4 = jaxmx.recipes.NVFP4
+    assert trained == [
+        ("bf16", None, 1),
+        ("nvfp4", nvfp4, 1),  # keep_last defaults to 1 for the 4-bit recipes
+        ("nvfp4 no rht", nvfp4.replace(rht=False), 1),
+        ("nvfp4 no 2-D tiles", nvfp4.replace(weight_tile=None), 1),
+        ("nvfp4 nearest rounding", nvfp4.replace(grad_rounding="nearest"), 1),
+        ("nvfp4 keep_last 0", nvfp4, 0),
+    ]
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert history["config"]["keep_last"] == 1
+    table = [(r["variant"], r["val_loss"], r["val_gap"]) for r in history["ablation"]]
+    expected = [(name, 2.0 * (1 + i / 100), i / 100) for i, (name, _, _) in enumerate(trained)]
+    assert table == [(n, pytest.approx(v), pytest.approx(g)) for n, v, g in expected]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.strip() in capsys.readouterr().out
+    assert summary.splitlines()[0].split() == ["variant", "validation", "loss", "gap", "to", "bf16"]
+    assert summary.splitlines()[4].split() == ["nvfp4", "no", "rht", "2.0400", "+2.00%"]
+    png = (tmp_path / "loss_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+
+
+def test_demo_flag_errors():
+    with pytest.raises(SystemExit, match=r"--keep-last must be in 0 \.\. --layers \(2\), got 3"):
+        main(["--layers", "2", "--keep-last", "3"])
+    with pytest.raises(SystemExit, match="--ablate does not combine with --diagnose"):
+        main(["--ablate", "--diagnose", "--steps", "1"])

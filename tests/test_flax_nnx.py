@@ -14,11 +14,11 @@ import jaxmx.flax.nnx as mxnnx
 MX = jaxmx.recipes.MXFP8
 
 
-def _q(a, axis):
-    """``a`` quantized to MXFP8 E4M3 (rceil, blocks of 32 along ``axis``) and dequantized in
+def _q(a, axis, fmt="mxfp8_e4m3"):
+    """``a`` quantized to ``fmt`` (rceil, blocks of 32 along ``axis``) and dequantized in
     float64 by the independent reference in tests/reference.py."""
     a = np.asarray(a, np.float32)
-    data, scale = mxref.quantize(a, "mxfp8_e4m3", "rceil", axis=axis)
+    data, scale = mxref.quantize(a, fmt, "rceil", axis=axis)
     return mxref.dequantize(data, scale, axis, a.shape)
 
 
@@ -309,3 +309,145 @@ def test_quantized_attention_model_trains_like_high_precision(tokens, attention)
     ref, mx = train(False), train(True)
     assert ref[-1] < 0.95 * ref[0]  # it learns
     np.testing.assert_allclose(mx, ref, rtol=0.01)
+
+
+# --- per-layer precision: keep / keep_last / keep_recipe ---------------------------------------
+
+E5M2 = jaxmx.recipes.Recipe(fwd="mxfp8_e5m2", grad="mxfp8_e5m2")
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.up = nnx.Linear(d, d, rngs=rngs)
+        self.down = nnx.Linear(d, d, rngs=rngs)
+
+
+class Encoder(nnx.Module):
+    def __init__(self, d, rngs):
+        self.layers_0 = nnx.Linear(d, d, rngs=rngs)
+        self.layers_1 = nnx.Linear(d, d, rngs=rngs)
+
+
+class Stacks(nnx.Module):
+    """Two stacks of numbered blocks (``encoder/layers_0..1``, ``blocks/0..2``) and two layers
+    outside them (``proj``, and ``head``, excluded by default)."""
+
+    def __init__(self, rngs, d=64):
+        self.encoder = Encoder(d, rngs)
+        self.blocks = nnx.List([Block(d, rngs) for _ in range(3)])
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.head = nnx.Linear(d, 16, rngs=rngs)
+
+
+def _computes(layer, stock, x) -> str:
+    """Which of plain high precision, MXFP8 E4M3 and MXFP8 E5M2 ``layer`` computes on ``x``: the
+    stock layer with the same parameters, or the float64 references of the MX products."""
+    w, b = np.asarray(stock.kernel[...]), np.asarray(stock.bias[...])
+    expected = {
+        "plain": np.asarray(stock(x)),
+        "e4m3": _q(x, -1) @ _q(w, 0) + b,
+        "e5m2": _q(x, -1, "mxfp8_e5m2") @ _q(w, 0, "mxfp8_e5m2") + b,
+    }
+    y = np.asarray(layer(x))
+    found = [k for k, ref in expected.items() if np.allclose(y, ref, rtol=1e-5, atol=1e-5)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _behaviour(model, converted, x):
+    stock = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(Stacks(nnx.Rngs(0)))}
+    assert _computes(model.head, stock["head"], x) == "plain"  # excluded: untouched
+    return {path: _computes(layer, stock[path], x) for path, layer in converted.items()}
+
+
+def test_quantize_model_keep_last_keeps_the_final_blocks_of_each_stack():
+    x = jax.random.normal(jax.random.key(2), (4, 64))
+    model = Stacks(nnx.Rngs(0))
+    converted = mxnnx.quantize_model(model, MX, keep_last=1)
+    expected = {
+        "encoder/layers_0": "e4m3",
+        "encoder/layers_1": "plain",
+        "blocks/0/up": "e4m3",
+        "blocks/0/down": "e4m3",
+        "blocks/1/up": "e4m3",
+        "blocks/1/down": "e4m3",
+        "blocks/2/up": "plain",
+        "blocks/2/down": "plain",
+        "proj": "e4m3",  # outside the numbered blocks: keep_last does not touch it
+    }
+    assert _behaviour(model, converted, x) == expected
+    # each returned layer's recipe attribute says what it got
+    recipes = {path: layer.recipe for path, layer in converted.items()}
+    assert recipes == {p: MX if k == "e4m3" else None for p, k in expected.items()}
+
+
+def test_quantize_model_keep_rules_and_keep_recipe():
+    x = jax.random.normal(jax.random.key(2), (4, 64))
+    model = Stacks(nnx.Rngs(0))
+    converted = mxnnx.quantize_model(model, MX, keep_last=2, keep="proj", keep_recipe=E5M2)
+    assert _behaviour(model, converted, x) == {
+        "encoder/layers_0": "e5m2",  # the last 2 of a stack of 2
+        "encoder/layers_1": "e5m2",
+        "blocks/0/up": "e4m3",
+        "blocks/0/down": "e4m3",
+        "blocks/1/up": "e5m2",
+        "blocks/1/down": "e5m2",
+        "blocks/2/up": "e5m2",
+        "blocks/2/down": "e5m2",
+        "proj": "e5m2",  # keep=
+    }
+    # keep alone (a predicate), and keep_last counted among the converted layers only
+    model = Stacks(nnx.Rngs(0))
+    converted = mxnnx.quantize_model(
+        model, MX, include="blocks/*", keep=lambda path, layer: path.endswith("0/up"), keep_last=1
+    )
+    assert _behaviour(model, converted, x) == {
+        "blocks/0/up": "plain",
+        "blocks/0/down": "e4m3",
+        "blocks/1/up": "e4m3",
+        "blocks/1/down": "e4m3",
+        "blocks/2/up": "plain",
+        "blocks/2/down": "plain",
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "block"),
+    [
+        ("blocks/3/mlp/up", ("blocks/", 3)),
+        ("layers_3/attn/query", ("layers_", 3)),
+        ("block_3", ("block_", 3)),
+        ("decoder/layers_12/mlp/layers_0", ("decoder/layers_", 12)),  # the first numbered one
+        ("0/up", ("", 0)),
+        ("block_0_attn/query", None),
+        ("mlp/fc2", None),
+        ("head", None),
+    ],
+)
+def test_block_of(path, block):
+    from jaxmx._src.flax.rules import block_of
+
+    assert block_of(path) == block
+
+
+def test_quantize_model_keep_errors():
+    with pytest.raises(ValueError, match=r"keep_last must be an integer >= 0 .*got -1"):
+        mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, keep_last=-1)
+    model = Stacks(nnx.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"keep_last=3 is more than the 2 numbered blocks under 'encoder/layers_' "
+        r"\(encoder/layers_0 \.\. encoder/layers_1\)",
+    ):
+        mxnnx.quantize_model(model, MX, keep_last=3)
+    assert model.blocks[0].up.dot_general is jax.lax.dot_general  # nothing converted
+    with pytest.raises(
+        ValueError,
+        match=r"keep_last=1 needs numbered blocks \(a path component "
+        r"that is an integer or ends in _<int>.*\['proj'\]",
+    ):
+        mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, include="proj", keep_last=1)
+    with pytest.raises(TypeError, match=r"keep_recipe must be a jaxmx\.Recipe .* got 'mxfp8'"):
+        mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, keep_recipe="mxfp8")
+    with pytest.raises(ValueError, match="keep pattern 'head' matches no converted layer"):
+        mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, keep=["proj", "head"])  # head: excluded

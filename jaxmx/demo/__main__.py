@@ -4,7 +4,9 @@ Both runs start from the same initial weights and see the same batches in the sa
 run sends every linear layer of the blocks through ``jaxmx.dot_general`` (forward, dgrad and wgrad
 on MX operands); embeddings, the output head, norms and attention scores stay in BF16. At the end
 it prints a table of train/validation losses with the relative gap and the step-time ratio, and
-writes ``loss_curves.png``, ``summary.txt`` and ``history.json`` to ``--out``.
+writes ``loss_curves.png``, ``summary.txt`` and ``history.json`` to ``--out``. ``--recipe nvfp4``
+(or ``mxfp4``) trains in 4 bits, by default with the last block in BF16 (``--keep-last``);
+``--ablate`` also trains it with each of its features switched off in turn.
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eval-batches", type=int, default=None, help="validation batches (default: all)"
     )
     p.add_argument("--recipe", choices=RECIPES, default="mxfp8")
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        help="the last blocks whose linear layers stay in BF16 (default: 1 for nvfp4 and mxfp4, "
+        "else 0)",
+    )
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="train BF16, the recipe, and the recipe with each of its features (random Hadamard "
+        "transform, 2-D weight tiles, stochastic rounding, --keep-last) off in turn; tabulate "
+        "the validation-loss gaps to BF16",
+    )
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -69,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxmx.demo import report
-    from jaxmx.demo.train import compare, get_recipe, seed_band
+    from jaxmx.demo.train import KEEP_LAST, ablate, compare, get_recipe, seed_band
 
+    keep_last = KEEP_LAST.get(args.recipe, 0) if args.keep_last is None else args.keep_last
+    if not 0 <= keep_last <= args.layers:
+        raise SystemExit(f"--keep-last must be in 0 .. --layers ({args.layers}), got {keep_last}")
     cfg = Config(
         steps=args.steps,
         d_model=args.d_model,
@@ -82,16 +101,23 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
+        keep_last=keep_last,
     )
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"{cfg}\n{recipe}")
     if args.seeds < 0 or (args.diagnose_every is not None and args.diagnose_every < 1):
         raise SystemExit("--seeds must be >= 0 and --diagnose-every >= 1")
+    if args.ablate and (args.diagnose or args.seeds):
+        raise SystemExit("--ablate does not combine with --diagnose or --seeds")
     diagnose_every = 0
     if args.diagnose:
         diagnose_every = args.diagnose_every or max(1, cfg.steps // 30)
     progress = not args.no_progress
+    if args.ablate:
+        runs = ablate(cfg, recipe, name=args.recipe, progress=progress)
+        print(report.write_ablation(runs, args.out, config=cfg, recipe=recipe))
+        return 0
     runs = compare(cfg, recipe, name=args.recipe, progress=progress, diagnose_every=diagnose_every)
     band = seed_band(cfg, args.seeds, progress=progress)
     summary = report.write(runs, args.out, config=cfg, recipe=recipe, band=band)

@@ -33,10 +33,13 @@ def diagnosed_loss(model, inputs, targets, taps):
 
 
 @nnx.jit
-def diagnosed_train_step(model, optimizer, inputs, targets, taps):
+def diagnosed_train_step(model, optimizer, inputs, targets, taps, key=None):
     """:func:`jaxmx.demo.train.train_step` that also returns the step's telemetry."""
+    from jaxmx.demo.train import rounding
+
     grad_fn = nnx.value_and_grad(diagnosed_loss, argnums=(0, 3), has_aux=True)
-    (loss, forward), (grads, tap_grads) = grad_fn(model, inputs, targets, taps)
+    with rounding(key):
+        (loss, forward), (grads, tap_grads) = grad_fn(model, inputs, targets, taps)
     optimizer.update(model, grads)
     return loss, forward, tap_grads
 

@@ -1,4 +1,5 @@
-"""The end-of-demo summary: a loss table, the MXFP8-vs-BF16 gap and a PNG of both loss curves.
+"""The end-of-demo summary: a loss table, the MXFP8-vs-BF16 gap and a PNG of both loss curves;
+for ``--ablate``, a table of every variant's validation loss and gap to BF16.
 
 Example:
     >>> from jaxmx.demo.report import relative_gap
@@ -131,16 +132,68 @@ def table(baseline: RunResult, candidate: RunResult, unigram: float) -> str:
         ),
         ("wall time (s)", f"{baseline.wall_time:.1f}", f"{candidate.wall_time:.1f}", ""),
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = _columns(rows)
+    lines.append(f"unigram entropy of the validation bytes: {unigram:.3f} nats/byte")
+    return "\n".join(lines)
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` as aligned text lines (the first column left-aligned), a rule under the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         "  ".join(
             c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
+        ).rstrip()
         for r in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"unigram entropy of the validation bytes: {unigram:.3f} nats/byte")
-    return "\n".join(lines)
+    return lines
+
+
+def ablation_table(runs: list[RunResult]) -> str:
+    """Each run's final validation loss and its relative gap to ``runs[0]`` (BF16).
+
+    Example:
+        >>> runs = [RunResult("bf16", val_loss=[2.0]), RunResult("nvfp4", val_loss=[2.03])]
+        >>> print(ablation_table(runs))
+        variant  validation loss  gap to bf16
+        -------------------------------------
+        bf16              2.0000
+        nvfp4             2.0300       +1.50%
+    """
+    base = runs[0]
+    rows = [("variant", "validation loss", f"gap to {base.name}")]
+    for i, run in enumerate(runs):
+        gap = f"{100 * relative_gap(run.final_val, base.final_val):+.2f}%" if i else ""
+        rows.append((run.name, f"{run.final_val:.4f}", gap))
+    return "\n".join(_columns(rows))
+
+
+def write_ablation(runs: list[RunResult], out: str | Path, *, config=None, recipe=None) -> str:
+    """Writes ``summary.txt`` (:func:`ablation_table`), ``history.json`` (the table as
+    ``ablation``, and every run's losses) and ``loss_curves.png`` to ``out``; returns the text."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = runs[0]
+    text = ablation_table(runs)
+    (out / "summary.txt").write_text(text + "\n")
+    history = {
+        "config": dataclasses.asdict(config) if config is not None else None,
+        "recipe": repr(recipe),
+        "ablation": [
+            {
+                "variant": r.name,
+                "val_loss": r.final_val,
+                "val_gap": relative_gap(r.final_val, base.final_val),
+            }
+            for r in runs
+        ],
+        "runs": {r.name: r.to_dict() for r in runs},
+    }
+    (out / "history.json").write_text(json.dumps(history, indent=1))
+    png = plot(runs, out / "loss_curves.png", unigram=data.unigram_entropy(data.load_splits()[1]))
+    files = [png, out / "summary.txt", out / "history.json"]
+    return text + "\nwrote " + ", ".join(str(f) for f in files)
 
 
 def _loss_row(label: str, base: float, cand: float) -> tuple[str, str, str, str]:

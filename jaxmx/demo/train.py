@@ -1,4 +1,5 @@
-"""Train the demo transformer once, in BF16 or with MXFP8 linear layers, and record the losses.
+"""Train the demo transformer once, in BF16 or with MX / FP8 / FP4 linear layers, and record the
+losses; :func:`ablate` trains a 4-bit recipe with each of its features switched off in turn.
 
 Example:
     >>> from jaxmx.demo.train import Config, train
@@ -10,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -19,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxmx
 from jaxmx import diagnostics
 from jaxmx.demo import data, diagnose
 from jaxmx.demo.model import Transformer
@@ -40,6 +43,7 @@ class Config:
     eval_every: int = 100
     eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
     seed: int = 0
+    keep_last: int = 0  # under a recipe, the last blocks whose linear layers stay in BF16
 
 
 @dataclasses.dataclass
@@ -87,8 +91,9 @@ class RunResult:
 
 
 def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transformer:
-    """The demo model; with a recipe, its linear layers (not embed/head) go through jaxmx, and
-    with ``attention`` its attention products (``QK^T``, ``PV``) too."""
+    """The demo model; with a recipe, its linear layers (not embed/head) go through jaxmx, except
+    those of the last ``cfg.keep_last`` blocks (kept in BF16), and with ``attention`` its
+    attention products (``QK^T``, ``PV``) too."""
     model = Transformer(
         data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
     )
@@ -96,9 +101,9 @@ def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transforme
         from jaxmx.flax import MXAttention
         from jaxmx.flax.nnx import quantize_model
 
-        quantize_model(model, recipe)
+        quantize_model(model, recipe, keep_last=cfg.keep_last)
         if attention:
-            for block in model.blocks:
+            for block in list(model.blocks)[: cfg.layers - cfg.keep_last]:
                 block.attn.attention_fn = MXAttention(recipe)
     return model
 
@@ -109,10 +114,34 @@ def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array) -> jax.Ar
 
 
 @nnx.jit
-def train_step(model, optimizer, inputs, targets):
-    loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+def train_step(model, optimizer, inputs, targets, key=None):
+    """One AdamW step; ``key``: the step's stochastic-rounding key (:func:`step_key`), if any."""
+    with rounding(key):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
     optimizer.update(model, grads)
     return loss
+
+
+def step_key(cfg: Config, recipe, step: int) -> jax.Array | None:
+    """The key of step ``step``'s stochastic gradient rounding, ``fold_in(key(cfg.seed), step)``;
+    ``None`` when ``recipe`` rounds to nearest (or is BF16), which leaves the step's program as
+    it was.
+
+    Example:
+        >>> import jaxmx
+        >>> step_key(Config(), jaxmx.recipes.MXFP8, 1) is None
+        True
+        >>> step_key(Config(), jaxmx.recipes.NVFP4, 1).shape
+        ()
+    """
+    if recipe is None or recipe.grad_rounding != "stochastic":
+        return None
+    return jax.random.fold_in(jax.random.key(cfg.seed), step)
+
+
+def rounding(key: jax.Array | None):
+    """``jaxmx.stochastic_rounding(key)`` for the GEMMs in the block, or nothing for ``None``."""
+    return contextlib.nullcontext() if key is None else jaxmx.stochastic_rounding(key)
 
 
 @nnx.jit
@@ -163,12 +192,13 @@ def train(
     taps = None  # the telemetry taps, made once the first diagnosed step has a batch
     for step in range(1, cfg.steps + 1):
         x, y = (jnp.asarray(a) for a in next(batches))
+        key = step_key(cfg, recipe, step)
         if diagnose_every and (step == 1 or step % diagnose_every == 0):
             taps = taps or diagnose.taps_for(model, x, y)
-            loss = _diagnosed_step(result, step, taps, model, optimizer, x, y)
+            loss = _diagnosed_step(result, step, taps, model, optimizer, x, y, key)
         else:
             t0 = time.perf_counter()
-            loss = float(train_step(model, optimizer, x, y))
+            loss = float(train_step(model, optimizer, x, y, key))
             dt = time.perf_counter() - t0
             if not result.compile_time:  # the first plain step compiles it
                 result.compile_time = dt
@@ -191,8 +221,8 @@ def train(
     return result
 
 
-def _diagnosed_step(result: RunResult, step: int, taps, model, optimizer, x, y) -> float:
-    loss, forward, tap_grads = diagnose.diagnosed_train_step(model, optimizer, x, y, taps)
+def _diagnosed_step(result: RunResult, step: int, taps, model, optimizer, x, y, key) -> float:
+    loss, forward, tap_grads = diagnose.diagnosed_train_step(model, optimizer, x, y, taps, key)
     report = diagnostics.telemetry_report(forward, tap_grads)
     result.telemetry[step] = diagnose.as_plain(report)
     where = diagnostics.first_nonfinite(report)
@@ -209,7 +239,11 @@ def _progress(total: int, name: str, enabled: bool):
     return tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
 
 
-RECIPES = ("mxfp8", "mxfp8_hybrid", "mxfp8_2d", "deepseek_fp8", "fp8_block_pow2")
+RECIPES = ("mxfp8", "mxfp8_hybrid", "mxfp8_2d", "deepseek_fp8", "fp8_block_pow2", "nvfp4", "mxfp4")
+
+KEEP_LAST = {"nvfp4": 1, "mxfp4": 1}
+"""The default ``Config.keep_last`` of a demo recipe (0 if not listed): NVIDIA's NVFP4 recipe
+keeps the last blocks in higher precision."""
 
 
 def get_recipe(name: str = "mxfp8", backend: str | None = None):
@@ -238,14 +272,15 @@ def benchmark(cfg: Config, recipes: dict, *, rounds: int = 5, steps: int = 8) ->
     for name, recipe in recipes.items():
         model = build_model(cfg, recipe)
         optimizer = make_optimizer(cfg, model)
-        train_step(model, optimizer, x, y).block_until_ready()  # compiled by train(): a warm-up
-        states[name] = (model, optimizer)
+        key = step_key(cfg, recipe, 1)
+        train_step(model, optimizer, x, y, key).block_until_ready()  # compiled by train()
+        states[name] = (model, optimizer, key)
     best = dict.fromkeys(recipes, float("inf"))
     for _ in range(rounds):
-        for name, (model, optimizer) in states.items():
+        for name, (model, optimizer, key) in states.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                loss = train_step(model, optimizer, x, y)
+                loss = train_step(model, optimizer, x, y, key)
             loss.block_until_ready()
             best[name] = min(best[name], (time.perf_counter() - t0) / steps)
     return best
@@ -278,3 +313,39 @@ def seed_band(cfg: Config, seeds: int, *, progress: bool = True) -> list[RunResu
         )
         for i in range(1, seeds + 1)
     ]
+
+
+def ablations(cfg: Config, recipe, name: str) -> dict[str, tuple[Config, object]]:
+    """``{variant: (cfg, recipe)}``: ``recipe`` (run ``name``), then the same with each of its
+    features that is on switched off in turn: the random Hadamard transform, the 2-D weight
+    tiles, stochastic gradient rounding, and the BF16 last blocks (``cfg.keep_last``).
+
+    Example:
+        >>> import jaxmx
+        >>> for variant in ablations(Config(keep_last=1), jaxmx.recipes.NVFP4, "nvfp4"):
+        ...     print(variant)
+        nvfp4
+        nvfp4 no rht
+        nvfp4 no 2-D tiles
+        nvfp4 nearest rounding
+        nvfp4 keep_last 0
+    """
+    variants = {name: (cfg, recipe)}
+    if recipe.rht:
+        variants[f"{name} no rht"] = (cfg, recipe.replace(rht=False))
+    if recipe.weight_tile:
+        variants[f"{name} no 2-D tiles"] = (cfg, recipe.replace(weight_tile=None))
+    if recipe.grad_rounding == "stochastic":
+        variants[f"{name} nearest rounding"] = (cfg, recipe.replace(grad_rounding="nearest"))
+    if cfg.keep_last:
+        variants[f"{name} keep_last 0"] = (dataclasses.replace(cfg, keep_last=0), recipe)
+    return variants
+
+
+def ablate(cfg: Config, recipe, *, name: str, progress: bool = True) -> list[RunResult]:
+    """BF16, then every variant of :func:`ablations`, all from ``cfg.seed`` on the same data
+    order: ``[bf16_run, recipe_run, ablated_runs...]``."""
+    runs = [train(cfg, None, name="bf16", progress=progress)]
+    for variant, (variant_cfg, variant_recipe) in ablations(cfg, recipe, name).items():
+        runs.append(train(variant_cfg, variant_recipe, name=variant, progress=progress))
+    return runs

@@ -20,10 +20,11 @@ import dataclasses
 import functools
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
-from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Rule, matcher, unmatched_includes
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Conversion, Rule, last_blocks
 from jaxmx._src.recipes import MXFP8, Recipe
 
 
@@ -131,6 +132,9 @@ def quantize_model(
     include: Rule = None,
     exclude: Rule = DEFAULT_EXCLUDE,
     attention: bool = False,
+    keep: Rule = None,
+    keep_last: int = 0,
+    keep_recipe: Recipe | None = None,
 ) -> nn.Module:
     """``module`` with its ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Einsum`` layers run through
     jaxmx, without touching its source.
@@ -153,10 +157,19 @@ def quantize_model(
         attention: also compute the attention products (``QK^T``, ``PV``) of the matched
             ``nn.MultiHeadDotProductAttention`` layers in MX formats (their ``attention_fn``
             becomes :class:`jaxmx.flax.MXAttention`).
+        keep, keep_last, keep_recipe: per-layer precision as for
+            :func:`jaxmx.flax.nnx.quantize_model`: the converted layers that ``keep`` matches and
+            those of the last ``keep_last`` numbered blocks of each stack (``layers_3``,
+            ``blocks/3``, ``block_3``; Flax's automatic names such as ``Dense_3`` count too) get
+            ``keep_recipe`` (default ``None``: plain high precision). To find the last blocks,
+            each ``init`` / ``apply`` first traces the model abstractly (``jax.eval_shape``).
 
     Raises:
-        ValueError: (from ``init`` / ``apply``) an ``include`` pattern matched no convertible
-            layer, or a matched layer sets ``dot_general_cls``.
+        TypeError: ``recipe`` or ``keep_recipe`` is neither a :class:`jaxmx.Recipe` nor ``None``.
+        ValueError: ``keep_last`` is negative; or (from ``init`` / ``apply``) an ``include``
+            pattern matched no convertible layer, a ``keep`` pattern no converted one,
+            ``keep_last`` exceeds the blocks of a stack or the converted layers lie in no
+            numbered block, or a matched layer sets ``dot_general_cls``.
 
     Example:
         >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
@@ -169,8 +182,23 @@ def quantize_model(
         >>> jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, MLP().init(
         ...     jax.random.key(0), jnp.ones((2, 32))))
         True
+
+        Per-layer precision: with the last 3 of 3 numbered blocks kept in high precision, the
+        output is exactly the stock model's:
+
+        >>> class Stack(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         for i in range(3):
+        ...             x = nn.Dense(32, name=f"layers_{i}")(x)
+        ...         return x
+        >>> x = jnp.ones((2, 32))
+        >>> params = Stack().init(jax.random.key(0), x)
+        >>> kept = mxl.quantize_model(Stack(), keep_last=3)
+        >>> bool((kept.apply(params, x) == Stack().apply(params, x)).all())
+        True
     """
-    interceptor = _Interceptor(recipe, include, exclude, attention)
+    conversion = Conversion(recipe, include, exclude, keep, keep_last, keep_recipe)
     cls = _quantized_class(type(module))
     fields = {
         f.name: getattr(module, f.name)
@@ -178,7 +206,7 @@ def quantize_model(
         if f.init and f.name not in ("parent", "name")
     }
     quantized = cls(**fields)
-    object.__setattr__(quantized, "_jaxmx_interceptor", interceptor)
+    object.__setattr__(quantized, "_jaxmx_interceptor", _Interceptor(conversion, attention))
     return quantized
 
 
@@ -189,12 +217,7 @@ def _quantized_class(base: type) -> type:
 
         @functools.wraps(base_method)
         def method(self, *args, **kwargs):
-            interceptor = self._jaxmx_interceptor
-            interceptor.seen.clear()
-            with nn.intercept_methods(interceptor):
-                out = base_method(self, *args, **kwargs)
-            interceptor.check_includes()
-            return out
+            return self._jaxmx_interceptor.run(lambda: base_method(self, *args, **kwargs))
 
         return method
 
@@ -206,15 +229,37 @@ def _quantized_class(base: type) -> type:
 class _Interceptor:
     """Hands matched layers a jaxmx GEMM; records the convertible layers it saw."""
 
-    recipe: Recipe | None
-    include: Rule
-    exclude: Rule
+    conversion: Conversion
     attention: bool
-    seen: set = dataclasses.field(default_factory=set)
+    seen: set = dataclasses.field(default_factory=set)  # paths of the convertible layers
+    converted: set = dataclasses.field(default_factory=set)  # paths of the converted ones
+    kept_blocks: frozenset | None = None  # None: the discovery pass, which converts nothing
+    running: bool = False
 
-    def __post_init__(self):
-        self.included = matcher(self.include, default=True)
-        self.excluded = matcher(self.exclude, default=False)
+    def run(self, fn):
+        """``fn()`` (the model's ``init`` / ``apply``) with the matched layers converted."""
+        if self.running:  # init -> init_with_output: already intercepted
+            return fn()
+        self.running = True
+        try:
+            if self.conversion.keep_last:
+                self.kept_blocks = None
+                with nn.intercept_methods(self):
+                    jax.eval_shape(lambda: (fn(), None)[1])
+                blocks = last_blocks(self.converted, self.conversion.keep_last)
+            else:
+                blocks = frozenset()
+            self.seen.clear()
+            self.converted.clear()
+            self.kept_blocks = blocks
+            with nn.intercept_methods(self):
+                out = fn()
+            self.conversion.check_patterns(
+                self.seen, self.converted, "Dense, DenseGeneral or Einsum"
+            )
+            return out
+        finally:
+            self.running = False
 
     def __call__(self, next_fun, args, kwargs, context):
         layer = context.module
@@ -224,25 +269,21 @@ class _Interceptor:
             return next_fun(*args, **kwargs)
         path = "/".join(layer.path)
         self.seen.add(path)
-        if not self.included(path, layer) or self.excluded(path, layer):
+        if not self.conversion.converts(path, layer):
             return next_fun(*args, **kwargs)
+        self.converted.add(path)
+        if self.kept_blocks is None:
+            return next_fun(*args, **kwargs)
+        recipe = self.conversion.recipe_of(path, layer, self.kept_blocks)
         if isinstance(layer, nn.MultiHeadDotProductAttention):
-            object.__setattr__(layer, "attention_fn", MXAttention(self.recipe, path))
+            object.__setattr__(layer, "attention_fn", MXAttention(recipe, path))
             return next_fun(*args, **kwargs)
         if isinstance(layer, nn.Einsum):
-            return _einsum_call(layer, *args, recipe=self.recipe, **kwargs)
+            return _einsum_call(layer, *args, recipe=recipe, **kwargs)
         if layer.dot_general_cls is not None:
             raise ValueError(
                 f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead "
                 "of its dot_general; exclude the layer or drop its dot_general_cls"
             )
-        object.__setattr__(layer, "dot_general", MXDotGeneral(self.recipe, path))
+        object.__setattr__(layer, "dot_general", MXDotGeneral(recipe, path))
         return next_fun(*args, **kwargs)
-
-    def check_includes(self) -> None:
-        unmatched = unmatched_includes(self.include, self.seen)
-        if unmatched:
-            raise ValueError(
-                f"quantize_model: include pattern {unmatched[0]!r} matches no Dense, "
-                f"DenseGeneral or Einsum layer; the model has {sorted(self.seen)}"
-            )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxmx import BACKENDS
+from jaxmx import BACKENDS, FORMATS
 from jaxmx.demo.train import RECIPES, Config
 
 _DEFAULTS = Config()
@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--seeds must be >= 0 and --diagnose-every >= 1")
     if args.ablate and (args.diagnose or args.seeds):
         raise SystemExit("--ablate does not combine with --diagnose or --seeds")
+    if args.diagnose and not all(FORMATS[f].is_mx for f in (recipe.fwd, recipe.grad)):
+        raise SystemExit(
+            f"--diagnose records the telemetry of MX GEMMs (E8M0 scales); --recipe {args.recipe} "
+            f"uses {recipe.fwd} / {recipe.grad}"
+        )
     diagnose_every = 0
     if args.diagnose:
         diagnose_every = args.diagnose_every or max(1, cfg.steps // 30)

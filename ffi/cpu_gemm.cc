@@ -276,8 +276,8 @@ ffi::Error Fp4MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuff
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> /*workspace*/, bool nvfp4) {
   const Fp4Format format{nvfp4};
-  auto checked = CheckFp4Gemm("jaxmx_fp4_matmul", format, lhs, rhs, lhs_scale, rhs_scale,
-                              alpha_beta, *out);
+  auto checked =
+      CheckFp4Gemm("jaxmx_fp4_matmul", format, lhs, rhs, lhs_scale, rhs_scale, alpha_beta, *out);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
   IeeeSubnormals ieee;

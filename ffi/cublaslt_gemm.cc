@@ -261,9 +261,9 @@ LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const L
 LtStatus LtContext::CheckFp4(const std::string& on, int capability, const LtGemm& g) const {
   const bool lhs_fp4 = g.lhs_type == CUDA_R_4F_E2M1, rhs_fp4 = g.rhs_type == CUDA_R_4F_E2M1;
   if (lhs_fp4 != rhs_fp4)
-    return Error(LtCode::kUnimplemented,
-                 std::string("cuBLASLt has no matmul of ") + TypeName(g.lhs_type) + " x " +
-                     TypeName(g.rhs_type) + ": FP4 operands go with FP4 operands");
+    return Error(LtCode::kUnimplemented, std::string("cuBLASLt has no matmul of ") +
+                                             TypeName(g.lhs_type) + " x " + TypeName(g.rhs_type) +
+                                             ": FP4 operands go with FP4 operands");
   if (!lhs_fp4)
     return Error(LtCode::kUnimplemented,
                  std::string("NVFP4 block scaling (VEC16_UE4M3) takes float4_e2m1fn operands, "

@@ -305,20 +305,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 // jaxmx_fp4_matmul: the packed codes, the swizzled scales, then alpha_beta [..., 2] (device).
-#define JAXMX_FP4_CUDA_BINDING(stage)                                         \
-  xla::ffi::Ffi::Bind<stage>()                                                \
-      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                          \
-      .Ctx<xla::ffi::DeviceOrdinal>()                                         \
-      .Arg<xla::ffi::AnyBuffer>() /* lhs [..., M, K/2] packed E2M1 */         \
-      .Arg<xla::ffi::AnyBuffer>() /* rhs [..., N, K/2] packed E2M1 */         \
-      .Arg<xla::ffi::AnyBuffer>() /* lhs scales, swizzled u8 */               \
-      .Arg<xla::ffi::AnyBuffer>() /* rhs scales, swizzled u8 */               \
-      .Arg<xla::ffi::AnyBuffer>() /* alpha_beta f32 [..., 2] */               \
-      .Ret<xla::ffi::AnyBuffer>() /* out [..., M, N] */                       \
-      .Ret<xla::ffi::AnyBuffer>() /* cuBLASLt workspace (u8) */               \
+#define JAXMX_FP4_CUDA_BINDING(stage)                                 \
+  xla::ffi::Ffi::Bind<stage>()                                        \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                  \
+      .Ctx<xla::ffi::DeviceOrdinal>()                                 \
+      .Arg<xla::ffi::AnyBuffer>() /* lhs [..., M, K/2] packed E2M1 */ \
+      .Arg<xla::ffi::AnyBuffer>() /* rhs [..., N, K/2] packed E2M1 */ \
+      .Arg<xla::ffi::AnyBuffer>() /* lhs scales, swizzled u8 */       \
+      .Arg<xla::ffi::AnyBuffer>() /* rhs scales, swizzled u8 */       \
+      .Arg<xla::ffi::AnyBuffer>() /* alpha_beta f32 [..., 2] */       \
+      .Ret<xla::ffi::AnyBuffer>() /* out [..., M, N] */               \
+      .Ret<xla::ffi::AnyBuffer>() /* cuBLASLt workspace (u8) */       \
       .Attr<bool>("nvfp4")        /* NVFP4 (VEC16_UE4M3), else MXFP4 (VEC32) */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCudaInitialize, jaxmx::Fp4MatmulCuda<Stage::kInitialize>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCudaInitialize,
+                              jaxmx::Fp4MatmulCuda<Stage::kInitialize>,
                               JAXMX_FP4_CUDA_BINDING(ExecutionStage::kInitialize));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCuda, jaxmx::Fp4MatmulCuda<Stage::kExecute>,
                               JAXMX_FP4_CUDA_BINDING(ExecutionStage::kExecute),

@@ -172,9 +172,9 @@ ffi::ErrorOr<GemmProblem> CheckSwizzledScales(const char* target, GemmProblem p,
     for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
     if (!ok) {
       std::ostringstream os;
-      os << names[s] << " scales must be the swizzled [..., " << want << "] bytes of a ["
-         << rows[s] << ", " << kb << "] scale matrix (roundup(" << rows[s] << ", 128) * roundup("
-         << kb << ", 4)), got " << Shape(sc);
+      os << names[s] << " scales must be the swizzled [..., " << want << "] bytes of a [" << rows[s]
+         << ", " << kb << "] scale matrix (roundup(" << rows[s] << ", 128) * roundup(" << kb
+         << ", 4)), got " << Shape(sc);
       return Invalid(target, os.str());
     }
   }
@@ -241,7 +241,8 @@ ffi::ErrorOr<GemmProblem> CheckFp4Gemm(const char* target, Fp4Format format,
                                        const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
                                        const ffi::AnyBuffer& lhs_scale,
                                        const ffi::AnyBuffer& rhs_scale,
-                                       const ffi::AnyBuffer& alpha_beta, const ffi::AnyBuffer& out) {
+                                       const ffi::AnyBuffer& alpha_beta,
+                                       const ffi::AnyBuffer& out) {
   GemmProblem p;
   p.lhs_type = lhs.element_type();
   p.rhs_type = rhs.element_type();
@@ -267,10 +268,10 @@ ffi::ErrorOr<GemmProblem> CheckFp4Gemm(const char* target, Fp4Format format,
             ad[ad.size() - 1] == 2;
   for (size_t i = 0; ok && i + 2 < ld.size(); ++i) ok = ad[i] == ld[i];
   if (!ok)
-    return Invalid(target, "alpha_beta must be float32 [..., 2] (alpha and beta = 0 per GEMM, "
-                           "behind the batch dims), got " +
-                               std::string(DataTypeName(alpha_beta.element_type())) +
-                               Shape(alpha_beta));
+    return Invalid(target,
+                   "alpha_beta must be float32 [..., 2] (alpha and beta = 0 per GEMM, "
+                   "behind the batch dims), got " +
+                       std::string(DataTypeName(alpha_beta.element_type())) + Shape(alpha_beta));
   if (format.nvfp4)
     return CheckSwizzledScales(target, p, ld, p.k / block, lhs_scale, rhs_scale,
                                {ffi::DataType::U8, ffi::DataType::F8E4M3FN},

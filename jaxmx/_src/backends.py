@@ -179,8 +179,8 @@ def _fp4_status() -> str:
 
 
 def _blackwell_status(what: str) -> str:
-    """"available" where the default CUDA device has compute capability >= 10.0 and cuBLASLt >=
-    12.8 is loaded (MXFP8 and FP4 block scaling), else why not."""
+    """``"available"`` where the default CUDA device has compute capability >= 10.0 and
+    cuBLASLt >= 12.8 is loaded (MXFP8 and FP4 block scaling), else why not."""
     cc, reason = _device_capability()
     if cc is None:
         return reason

@@ -404,6 +404,7 @@ def _fp4_call(out_dtype, nvfp4: bool):
 
     return jax.jit(vmappable(impl, fold=(True, False, True, False, False, False)))
 
+
 # --- per-tensor FP8 GEMM --------------------------------------------------------------------
 
 

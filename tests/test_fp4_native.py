@@ -227,6 +227,36 @@ def test_tiles_narrower_or_wider_than_the_block_are_refused():
         ffi.fp4_matmul(a, operand(24, (4, 64), "nvfp4"))
 
 
+def raw_fp4_call(out_shape, out_dtype, *args, nvfp4=True):
+    """jaxmx_fp4_matmul as a raw custom call (no Python checks)."""
+    ffi.register_targets()
+    out, _ = jax.ffi.ffi_call(
+        ffi.FP4_TARGET,
+        (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),
+    )(*args, nvfp4=nvfp4)
+    return np.asarray(out)
+
+
+def test_cpp_side_errors():
+    codes = jnp.zeros((4, 32), jnp.uint8)  # K = 64
+    s_ok = jnp.zeros((512,), jnp.uint8)  # NVFP4: roundup(4, 128) * roundup(64 / 16, 4)
+    ab = jnp.zeros((2,), jnp.float32)
+    assert raw_fp4_call((4, 4), jnp.float32, codes, codes, s_ok, s_ok, ab).shape == (4, 4)
+    cases = [
+        ((codes.astype(jnp.int8), codes, s_ok, s_ok, ab), "lhs and rhs must be uint8"),
+        ((codes[:, :4], codes[:, :4], s_ok, s_ok, ab), "K must be a multiple of 16 for NVFP4"),
+        ((codes, codes, s_ok[:256], s_ok, ab), r"lhs scales must be the swizzled \[..., 512\]"),
+        ((codes, codes, s_ok, s_ok.astype(jnp.int8), ab), "rhs scales must be uint8 or float8"),
+        ((codes, codes, s_ok, s_ok, ab[:1]), r"alpha_beta must be float32 \[..., 2\]"),
+        ((codes, codes, s_ok, s_ok, ab.astype(jnp.float16)), "alpha_beta must be float32"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(Exception, match=f"jaxmx_fp4_matmul: {msg}"):
+            raw_fp4_call((4, 4), jnp.float32, *args)
+    with pytest.raises(Exception, match="K must be a multiple of 32 for MXFP4"):
+        raw_fp4_call((4, 4), jnp.float32, codes[:, :8], codes[:, :8], s_ok, s_ok, ab, nvfp4=False)
+
+
 # --- backends -----------------------------------------------------------------------------------
 
 

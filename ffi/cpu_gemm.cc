@@ -1,6 +1,16 @@
-// CPU handlers of jaxmx_mx_matmul, jaxmx_fp8_matmul and jaxmx_block_fp8_matmul: the GEMMs
-// computed from the same operands the cuBLASLt handler receives (fp8 codes; swizzled E8M0,
-// per-tensor or block float32 scales), in plain C++.
+// CPU handlers of jaxmx_mx_matmul, jaxmx_fp8_matmul, jaxmx_block_fp8_matmul and
+// jaxmx_fp4_matmul: the GEMMs computed from the same operands the cuBLASLt handler receives (fp8
+// codes or packed fp4 codes; swizzled E8M0 / E4M3, per-tensor or block float32 scales), in plain
+// C++.
+//
+// FP4 numerics (NVFP4 and MXFP4): every E2M1 code and every scale is decoded exactly (an E4M3
+// scale as float32, an E8M0 one as 2^(byte - 127), byte 0xFF and the E4M3 NaN codes as NaN).
+// Within a block (16 elements for NVFP4, 32 for MXFP4) the code products are summed exactly in
+// float64 and multiplied by s_a * s_b (exact in float64), then rounded once to float32 and
+// accumulated over K in float32, block after block: acc = the float32 sum of the exact products
+// (code_a * s_a) * (code_b * s_b), blockwise. (For NVFP4 each block's value is exact in float32:
+// at most 20 significant bits.) The result is float32(alpha * acc), then rounded to the output
+// type. A NaN scale makes its block, and so the outputs it reaches, NaN.
 //
 // Block FP8 numerics are those of the emulation: each code times its block's (or tile's) float32
 // scale, rounded to float32, then a float32 dot accumulated along K in order.
@@ -260,6 +270,73 @@ ffi::Error BlockFp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::An
   return ffi::Error::Success();
 }
 
+// FP4: out[g] = float32(alpha[g] * acc), acc accumulated block by block in float32 (see the top).
+ffi::Error Fp4MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                            ffi::AnyBuffer rhs_scale, ffi::AnyBuffer alpha_beta,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> /*workspace*/, bool nvfp4) {
+  const Fp4Format format{nvfp4};
+  auto checked =
+      CheckFp4Gemm("jaxmx_fp4_matmul", format, lhs, rhs, lhs_scale, rhs_scale, alpha_beta, *out);
+  if (checked.has_error()) return checked.error();
+  const GemmProblem& p = *checked;
+  IeeeSubnormals ieee;
+  const Table& e4m3 = DecodeTable(ffi::DataType::F8E4M3FN);
+  static const Table e8m0 = [] {
+    Table tb;
+    for (int c = 0; c < 256; ++c)
+      tb[c] = c == kE8M0NaN ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, c - 127);
+    return tb;
+  }();
+  const Table& scale_table = nvfp4 ? e4m3 : e8m0;
+  const int64_t block = format.block(), nb = p.k / block, cols_padded = RoundUp(nb, kColTile);
+  const int64_t row_bytes = p.k / 2;
+  const auto* a = static_cast<const uint8_t*>(lhs.untyped_data());
+  const auto* b = static_cast<const uint8_t*>(rhs.untyped_data());
+  const auto* sa_bytes = static_cast<const uint8_t*>(lhs_scale.untyped_data());
+  const auto* sb_bytes = static_cast<const uint8_t*>(rhs_scale.untyped_data());
+  const auto* alphas = static_cast<const float*>(alpha_beta.untyped_data());
+
+  // Each operand decoded once per GEMM: element values (exact in float) and block scales.
+  auto decode = [&](const uint8_t* codes, const uint8_t* scales, int64_t rows,
+                    std::vector<float>& values, std::vector<double>& row_scales) {
+    values.resize(rows * p.k);
+    row_scales.resize(rows * nb);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < row_bytes; ++c) {
+        const uint8_t byte = codes[r * row_bytes + c];
+        values[r * p.k + 2 * c] = DecodeE2M1(byte & 0xF);  // element 2c: the low nibble
+        values[r * p.k + 2 * c + 1] = DecodeE2M1(byte >> 4);
+      }
+      for (int64_t c = 0; c < nb; ++c)
+        row_scales[r * nb + c] = scale_table[scales[SwizzledOffset(r, c, cols_padded)]];
+    }
+  };
+  std::vector<float> x, w;
+  std::vector<double> sx, sw;
+  for (int64_t g = 0; g < p.batch; ++g) {
+    decode(a + g * p.m * row_bytes, sa_bytes + g * p.lhs_scale_stride, p.m, x, sx);
+    decode(b + g * p.n * row_bytes, sb_bytes + g * p.rhs_scale_stride, p.n, w, sw);
+    const float alpha = alphas[2 * g];
+    WithStore(p.out_type, out->untyped_data(), g * p.m * p.n, [&](auto store) {
+      for (int64_t i = 0; i < p.m; ++i)
+        for (int64_t j = 0; j < p.n; ++j) {
+          const float* xi = x.data() + i * p.k;
+          const float* wj = w.data() + j * p.k;
+          float acc = 0.0f;
+          for (int64_t c = 0; c < nb; ++c) {
+            double sum = 0.0;  // exact: at most 32 products of 4 significant bits each
+            for (int64_t e = c * block; e < (c + 1) * block; ++e)
+              sum += static_cast<double>(xi[e]) * wj[e];
+            acc += static_cast<float>(sum * (sx[i * nb + c] * sw[j * nb + c]));
+          }
+          store(i * p.n + j, alpha * acc);
+        }
+    });
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MxMatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
                            ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*workspace: used by cuBLASLt only*/) {
@@ -312,3 +389,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxBlockFp8MatmulCpu, jaxmx::BlockFp8MatmulCpuIm
                                   .Ret<xla::ffi::AnyBuffer>()  // workspace (unused here)
                                   .Attr<bool>("lhs_tiled")     // lhs scales per 128x128 tile
                                   .Attr<bool>("rhs_tiled"));   // rhs scales per 128x128 tile
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCpu, jaxmx::Fp4MatmulCpuImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs [..., M, K/2] packed E2M1
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs [..., N, K/2] packed E2M1
+                                  .Arg<xla::ffi::AnyBuffer>()  // lhs scales, swizzled u8
+                                  .Arg<xla::ffi::AnyBuffer>()  // rhs scales, swizzled u8
+                                  .Arg<xla::ffi::AnyBuffer>()  // alpha_beta f32 [..., 2]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()  // workspace (unused here)
+                                  .Attr<bool>("nvfp4"));       // NVFP4 (else MXFP4) scales

@@ -20,6 +20,8 @@ const char* TypeName(cudaDataType_t t) {
       return "float8_e4m3fn";
     case CUDA_R_8F_E5M2:
       return "float8_e5m2";
+    case CUDA_R_4F_E2M1:
+      return "float4_e2m1fn";
     case CUDA_R_16BF:
       return "bfloat16";
     case CUDA_R_16F:
@@ -35,10 +37,28 @@ int64_t TypeBytes(cudaDataType_t t) {
   return t == CUDA_R_32F ? 4 : (t == CUDA_R_16BF || t == CUDA_R_16F) ? 2 : 1;
 }
 
-// Bytes between the scales of consecutive batch elements of one operand (kTensorF32, kBlockF32).
+bool IsFp4(const LtGemm& g) {
+  return g.lhs_type == CUDA_R_4F_E2M1 || g.rhs_type == CUDA_R_4F_E2M1 ||
+         g.scaling == LtScaling::kBlockVec16E4M3;
+}
+
+// Bytes of one batch element of an operand [rows, k] of type `t` (FP4: two elements per byte).
+int64_t OperandBytes(cudaDataType_t t, int64_t rows, int64_t k) {
+  return t == CUDA_R_4F_E2M1 ? rows * k / 2 : rows * k;
+}
+
+// Bytes between the scales of consecutive batch elements of one operand.
 int64_t ScaleStride(const LtGemm& g, int64_t rows, bool tiled) {
-  if (g.scaling == LtScaling::kTensorF32) return sizeof(float);
-  return Fp8BlockScaleShape(rows, g.k, tiled).elements() * static_cast<int64_t>(sizeof(float));
+  switch (g.scaling) {
+    case LtScaling::kTensorF32:
+      return sizeof(float);
+    case LtScaling::kBlockVec32E8M0:
+      return SwizzledSize(rows, g.k / kBlock).value_or(0);
+    case LtScaling::kBlockVec16E4M3:
+      return SwizzledSize(rows, g.k / kFp4Block16).value_or(0);
+    default:
+      return Fp8BlockScaleShape(rows, g.k, tiled).elements() * static_cast<int64_t>(sizeof(float));
+  }
 }
 
 const char* ScalingName(LtScaling s) {
@@ -47,6 +67,8 @@ const char* ScalingName(LtScaling s) {
       return "MX block-scaled";
     case LtScaling::kBlockF32:
       return "block-FP8 (1x128 / 128x128 float32 scales)";
+    case LtScaling::kBlockVec16E4M3:
+      return "NVFP4 block-scaled";
     default:
       return "per-tensor FP8";
   }
@@ -89,11 +111,11 @@ uint32_t Alignment(const void* base, int64_t stride_bytes, int64_t batch) {
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
-// Batch elements one cublasLtMatmul covers: all of them for MX (strided batch: each operand,
+// Batch elements one cublasLtMatmul covers: all of them for MXFP8 (strided batch: each operand,
 // the output and each scale tensor advance by one element's size), one for per-tensor and block
-// FP8 scales (each call gets its element's scale pointers).
+// FP8 scales and for FP4 (each call gets its element's scale and alpha pointers).
 int64_t StridedBatch(const LtGemm& g) {
-  return g.scaling == LtScaling::kBlockVec32E8M0 ? g.batch : 1;
+  return g.scaling == LtScaling::kBlockVec32E8M0 && !IsFp4(g) ? g.batch : 1;
 }
 
 }  // namespace
@@ -159,6 +181,7 @@ LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) co
                          Capability(device.capability);
   if (g.batch < 0 || g.m < 0 || g.n < 0 || g.k < 0)
     return Error(LtCode::kInvalidArgument, "negative GEMM dimensions");
+  if (IsFp4(g)) return CheckFp4(on, device.capability, g);
   if (g.lhs_type == CUDA_R_8F_E5M2 && g.rhs_type == CUDA_R_8F_E5M2)
     return Error(LtCode::kUnimplemented,
                  "cuBLASLt has no float8_e5m2 x float8_e5m2 matmul (its FP8 GEMMs take E4M3 x "
@@ -231,6 +254,43 @@ LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const L
 #endif
 }
 
+// FP4 (CUDA_R_4F_E2M1 A and B): NVFP4 (VEC16_UE4M3) or MXFP4 (VEC32_UE8M0) block scaling, compute
+// capability >= 10.0, cuBLASLt >= 12.8, K a multiple of 32 (16-byte leading dimensions: cuBLASLt
+// needs 16-byte aligned operands and leading dimensions, i.e. 32 packed E2M1 elements) and
+// device alpha / beta.
+LtStatus LtContext::CheckFp4(const std::string& on, int capability, const LtGemm& g) const {
+  const bool lhs_fp4 = g.lhs_type == CUDA_R_4F_E2M1, rhs_fp4 = g.rhs_type == CUDA_R_4F_E2M1;
+  if (lhs_fp4 != rhs_fp4)
+    return Error(LtCode::kUnimplemented, std::string("cuBLASLt has no matmul of ") +
+                                             TypeName(g.lhs_type) + " x " + TypeName(g.rhs_type) +
+                                             ": FP4 operands go with FP4 operands");
+  if (!lhs_fp4)
+    return Error(LtCode::kUnimplemented,
+                 std::string("NVFP4 block scaling (VEC16_UE4M3) takes float4_e2m1fn operands, "
+                             "got ") +
+                     TypeName(g.lhs_type) + " x " + TypeName(g.rhs_type));
+  if (g.scaling != LtScaling::kBlockVec16E4M3 && g.scaling != LtScaling::kBlockVec32E8M0)
+    return Error(LtCode::kUnimplemented,
+                 "FP4 operands need block scaling: NVFP4 (VEC16_UE4M3) or MXFP4 (VEC32_UE8M0)");
+  if (capability < 100)
+    return Error(LtCode::kFailedPrecondition,
+                 on + "; FP4 block-scaled matmul (NVFP4 / MXFP4) needs compute capability >= 10.0 "
+                      "and CUDA >= 12.8 (use the emulation backend on this device)");
+  if (cublaslt_version_ < 120800)
+    return Error(LtCode::kFailedPrecondition,
+                 "cuBLASLt " + Version(cublaslt_version_) +
+                     " is loaded; FP4 block scaling needs CUDA/cuBLASLt >= 12.8");
+  if (g.k % kFp4KMultiple != 0)
+    return Error(LtCode::kInvalidArgument,
+                 "K must be a multiple of 32 for FP4 (16-byte leading dimensions of packed E2M1 "
+                 "codes), got K = " +
+                     std::to_string(g.k));
+  if (g.alpha_beta == nullptr)
+    return Error(LtCode::kInvalidArgument,
+                 "an FP4 GEMM takes alpha and beta from device memory; alpha_beta is null");
+  return {};
+}
+
 LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtGemm& g,
                              Plan* plan) {
   LtStatus status;
@@ -249,13 +309,20 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
   if (!set_desc(CUBLASLT_MATMUL_DESC_TRANSA, op_t, "setting TRANSA") ||
       !set_desc(CUBLASLT_MATMUL_DESC_TRANSB, op_n, "setting TRANSB"))
     return status;
-  if (g.scaling == LtScaling::kBlockVec32E8M0) {
-    const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+  if (g.alpha_beta != nullptr) {  // FP4: alpha (and beta) from device memory
+    const int32_t device_mode = CUBLASLT_POINTER_MODE_DEVICE;
+    if (!set_desc(CUBLASLT_MATMUL_DESC_POINTER_MODE, device_mode, "setting POINTER_MODE"))
+      return status;
+  }
+  if (g.scaling == LtScaling::kBlockVec32E8M0 || g.scaling == LtScaling::kBlockVec16E4M3) {
+    const cublasLtMatmulMatrixScale_t mode = g.scaling == LtScaling::kBlockVec16E4M3
+                                                 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3
+                                                 : CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode, "setting A_SCALE_MODE") ||
         !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode, "setting B_SCALE_MODE"))
       return status;
     const int64_t dummy_stride = 1;
-    if (cublaslt_version_ <= kLastCublasLtWithSharedHeuristicCache &&
+    if (!IsFp4(g) && cublaslt_version_ <= kLastCublasLtWithSharedHeuristicCache &&
         !set_desc(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, dummy_stride,
                   "setting ALPHA_VECTOR_BATCH_STRIDE"))
       return status;
@@ -360,8 +427,8 @@ LtStatus LtContext::GetPlan(int ordinal, const Device& device, const LtGemm& g, 
                     g.m,
                     g.n,
                     g.k,
-                    Alignment(g.lhs, g.m * g.k, g.batch),
-                    Alignment(g.rhs, g.n * g.k, g.batch),
+                    Alignment(g.lhs, OperandBytes(g.lhs_type, g.m, g.k), g.batch),
+                    Alignment(g.rhs, OperandBytes(g.rhs_type, g.n, g.k), g.batch),
                     Alignment(g.out, out_bytes, g.batch),
                     workspace,
                     g.scaling == LtScaling::kTensorF32 && g.fast_accum,
@@ -416,18 +483,20 @@ LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_
 
 LtStatus LtContext::Enqueue(const Device& device, const LtGemm& g, Plan& plan, void* workspace,
                             uint64_t workspace_bytes, cudaStream_t stream) {
-  const float alpha = 1.0f, beta = 0.0f;
+  const float one = 1.0f, zero = 0.0f;
   const auto* a = static_cast<const uint8_t*>(g.rhs);
   const auto* b = static_cast<const uint8_t*>(g.lhs);
   const auto* a_scale = static_cast<const uint8_t*>(g.rhs_scale);
   const auto* b_scale = static_cast<const uint8_t*>(g.lhs_scale);
-  const bool per_call_scales = g.scaling != LtScaling::kBlockVec32E8M0;
-  const int64_t a_scale_stride = per_call_scales ? ScaleStride(g, g.n, g.rhs_tiled) : 0;
-  const int64_t b_scale_stride = per_call_scales ? ScaleStride(g, g.m, g.lhs_tiled) : 0;
+  // Strides of the per-call pointers (a strided-batched MXFP8 call makes one call: i = 0 only).
+  const int64_t a_scale_stride = ScaleStride(g, g.n, g.rhs_tiled);
+  const int64_t b_scale_stride = ScaleStride(g, g.m, g.lhs_tiled);
+  const int64_t a_bytes = OperandBytes(g.rhs_type, g.n, g.k);
+  const int64_t b_bytes = OperandBytes(g.lhs_type, g.m, g.k);
   auto* d = static_cast<uint8_t*>(g.out);
   const int64_t calls = g.batch / StridedBatch(g), d_bytes = g.m * g.n * TypeBytes(g.out_type);
   std::lock_guard<std::mutex> lock(plan.mu);
-  for (int64_t i = 0; i < calls; ++i) {  // per-tensor, block FP8: one call per batch element
+  for (int64_t i = 0; i < calls; ++i) {  // per-tensor, block FP8, FP4: one per batch element
     const void* sa = a_scale + i * a_scale_stride;
     const void* sb = b_scale + i * b_scale_stride;
     cublasStatus_t s = api_.cublasLtMatmulDescSetAttribute(
@@ -438,8 +507,10 @@ LtStatus LtContext::Enqueue(const Device& device, const LtGemm& g, Plan& plan, v
     if (s != CUBLAS_STATUS_SUCCESS)
       return Error(LtCode::kInternal, CublasError(api_, "setting the scale pointers", s));
     void* di = d + i * d_bytes;
-    s = api_.cublasLtMatmul(device.handle, plan.desc, &alpha, a + i * g.n * g.k, plan.a,
-                            b + i * g.m * g.k, plan.b, &beta, di, plan.d, di, plan.d, &plan.algo,
+    const float* alpha = g.alpha_beta != nullptr ? g.alpha_beta + 2 * i : &one;
+    const float* beta = g.alpha_beta != nullptr ? g.alpha_beta + 2 * i + 1 : &zero;
+    s = api_.cublasLtMatmul(device.handle, plan.desc, alpha, a + i * a_bytes, plan.a,
+                            b + i * b_bytes, plan.b, beta, di, plan.d, di, plan.d, &plan.algo,
                             workspace, workspace_bytes, stream);
     if (s != CUBLAS_STATUS_SUCCESS)
       return Error(LtCode::kInternal, CublasError(api_, "cublasLtMatmul", s));

@@ -8,6 +8,7 @@
 //   cuBLAS A := rhs, stored col-major [K, N] with ld K, op T      (A scale pointer: rhs scales)
 //   cuBLAS B := lhs, stored col-major [K, M] with ld K, op N      (B scale pointer: lhs scales)
 //   cuBLAS D := out, col-major [N, M] with ld N.
+// FP4 operands (CUDA_R_4F_E2M1) are packed two per byte along K (ld K still counts elements).
 #ifndef JAXMX_FFI_CUBLASLT_GEMM_H_
 #define JAXMX_FFI_CUBLASLT_GEMM_H_
 
@@ -28,12 +29,18 @@ enum class LtScaling {
   // tiled, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F (128x128 tiles), float32 scale matrices in
   // the layouts of layout.h (Fp8BlockScaleShape). CUDA 12.9+, compute capability 9.x.
   kBlockF32,
+  // NVFP4: CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3, one E4M3 byte per 16 elements, swizzled like
+  // the E8M0 scales (CUDA_R_4F_E2M1 operands only; MXFP4 is kBlockVec32E8M0 with FP4 operands).
+  kBlockVec16E4M3,
 };
 
-// `batch` independent GEMMs out[b] [m, n] = lhs[b] [m, k] . rhs[b] [n, k]^T, row-major, the batch
-// elements of each operand contiguous. Scales: kBlockVec32E8M0, the swizzled E8M0 bytes of each
-// batch element one after the other; kTensorF32, one float32 per batch element; kBlockF32, the
-// float32 scale matrices of each batch element one after the other.
+// `batch` independent GEMMs out[b] [m, n] = alpha[b] * lhs[b] [m, k] . rhs[b] [n, k]^T, row-major,
+// the batch elements of each operand contiguous. Scales: kBlockVec32E8M0 / kBlockVec16E4M3, the
+// swizzled bytes of each batch element one after the other; kTensorF32, one float32 per batch
+// element; kBlockF32, the float32 scale matrices of each batch element one after the other.
+// FP4 operands (CUDA_R_4F_E2M1, both or neither) take their alpha from device memory:
+// `alpha_beta` points to `batch` float32 pairs (alpha, beta = 0), read by cuBLASLt in
+// CUBLASLT_POINTER_MODE_DEVICE, one cublasLtMatmul per batch element; other GEMMs use alpha = 1.
 struct LtGemm {
   LtScaling scaling = LtScaling::kBlockVec32E8M0;
   int64_t batch = 1, m = 0, n = 0, k = 0;
@@ -45,6 +52,7 @@ struct LtGemm {
   void* out = nullptr;
   bool fast_accum = false;  // kTensorF32 only: CUBLASLT_MATMUL_DESC_FAST_ACCUM (forward GEMMs)
   bool lhs_tiled = false, rhs_tiled = false;  // kBlockF32: which operand has 128x128 tiles
+  const float* alpha_beta = nullptr;          // FP4: device (alpha, beta = 0) per batch element
 };
 
 enum class LtCode { kOk, kInvalidArgument, kFailedPrecondition, kUnimplemented, kInternal };
@@ -76,8 +84,9 @@ class LtContext {
   LtStatus Prepare(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes);
 
   // Prepare (a cache hit after the first call of a problem), then enqueues the GEMM on `stream`:
-  // one cublasLtMatmul, strided-batched over MX batch elements; per-tensor and block-FP8 batches
-  // enqueue one cublasLtMatmul per batch element, each with that element's scale pointers.
+  // one cublasLtMatmul, strided-batched over MXFP8 batch elements; per-tensor, block-FP8 and FP4
+  // batches enqueue one cublasLtMatmul per batch element, each with that element's scale (and
+  // FP4: alpha / beta) pointers.
   LtStatus Run(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes,
                cudaStream_t stream);
 
@@ -106,6 +115,7 @@ class LtContext {
   LtStatus GetDevice(int ordinal, Device** device);
   LtStatus Check(int ordinal, const Device& device, const LtGemm& gemm) const;
   LtStatus CheckBlockF32(const std::string& on, int capability, const LtGemm& gemm) const;
+  LtStatus CheckFp4(const std::string& on, int capability, const LtGemm& gemm) const;
   LtStatus GetPlan(int ordinal, const Device& device, const LtGemm& gemm, uint64_t workspace,
                    Plan** plan);
   LtStatus Enqueue(const Device& device, const LtGemm& gemm, Plan& plan, void* workspace,

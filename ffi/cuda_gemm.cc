@@ -1,6 +1,7 @@
 // The XLA FFI handlers of jaxmx_mx_matmul (MXFP8, CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0),
-// jaxmx_fp8_matmul (per-tensor FP8, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F) and
-// jaxmx_block_fp8_matmul (block FP8, VEC128_32F / BLK128x128_32F) on CUDA: a thin shell
+// jaxmx_fp8_matmul (per-tensor FP8, CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F),
+// jaxmx_block_fp8_matmul (block FP8, VEC128_32F / BLK128x128_32F) and jaxmx_fp4_matmul (NVFP4,
+// VEC16_UE4M3, or MXFP4, VEC32_UE8M0, on CUDA_R_4F_E2M1 operands) on CUDA: a thin shell
 // that checks the buffers (CheckGemm), describes the call as an LtGemm and hands it to the core
 // (cublaslt_gemm.h) with the CUDA runtime and cuBLASLt loaded here.
 //
@@ -166,35 +167,26 @@ LtScaling Scaling(ScaleKind kind) {
   }
 }
 
-// Checks the buffers, then plans (initialize) or runs (execute) the GEMM in the core.
-ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_accum,
-                    ScaleTiles tiles, cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                    ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, tiles);
-  if (checked.has_error()) return checked.error();
-  const GemmProblem& p = *checked;
+// Plans (initialize) or runs (execute) `gemm`, whose problem and pointers are filled in from the
+// checked buffers, in the core.
+ffi::Error RunInCore(Stage stage, const char* target, LtGemm gemm, const GemmProblem& p,
+                     cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                     ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
   const Api& api = GetApi();
   if (!api.info.loaded)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(target) + ": " + api.info.error);
-  LtGemm gemm;
-  gemm.scaling = Scaling(kind);
   gemm.batch = p.batch;
   gemm.m = p.m;
   gemm.n = p.n;
   gemm.k = p.k;
-  gemm.lhs_type = CudaType(p.lhs_type);
-  gemm.rhs_type = CudaType(p.rhs_type);
   gemm.out_type = CudaType(p.out_type);
   gemm.lhs = lhs.untyped_data();
   gemm.rhs = rhs.untyped_data();
   gemm.lhs_scale = lhs_scale.untyped_data();
   gemm.rhs_scale = rhs_scale.untyped_data();
   gemm.out = out->untyped_data();
-  gemm.fast_accum = fast_accum;
-  gemm.lhs_tiled = p.lhs_tiled;
-  gemm.rhs_tiled = p.rhs_tiled;
   LtContext& context = Context(api);
   const LtStatus s =
       stage == Stage::kInitialize
@@ -202,6 +194,25 @@ ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_a
           : context.Run(device, gemm, workspace->untyped_data(), workspace->size_bytes(), stream);
   if (s.ok()) return ffi::Error::Success();
   return ffi::Error(FfiCode(s.code), std::string(target) + ": " + s.message);
+}
+
+// Checks the buffers of an FP8 GEMM, then runs it in the core.
+ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_accum,
+                    ScaleTiles tiles, cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                    ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
+  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, tiles);
+  if (checked.has_error()) return checked.error();
+  const GemmProblem& p = *checked;
+  LtGemm gemm;
+  gemm.scaling = Scaling(kind);
+  gemm.lhs_type = CudaType(p.lhs_type);
+  gemm.rhs_type = CudaType(p.rhs_type);
+  gemm.fast_accum = fast_accum;
+  gemm.lhs_tiled = p.lhs_tiled;
+  gemm.rhs_tiled = p.rhs_tiled;
+  return RunInCore(stage, target, gemm, p, stream, device, lhs, rhs, lhs_scale, rhs_scale, out,
+                   workspace);
 }
 
 template <Stage stage>
@@ -230,6 +241,24 @@ ffi::Error BlockFp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
   return GemmCuda(stage, "jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, false,
                   ScaleTiles{lhs_tiled, rhs_tiled}, stream, device, lhs, rhs, lhs_scale, rhs_scale,
                   out, workspace);
+}
+
+template <Stage stage>
+ffi::Error Fp4MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
+                         ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
+                         ffi::AnyBuffer alpha_beta, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> workspace, bool nvfp4) {
+  const char* target = "jaxmx_fp4_matmul";
+  auto checked =
+      CheckFp4Gemm(target, Fp4Format{nvfp4}, lhs, rhs, lhs_scale, rhs_scale, alpha_beta, *out);
+  if (checked.has_error()) return checked.error();
+  LtGemm gemm;
+  gemm.scaling = nvfp4 ? LtScaling::kBlockVec16E4M3 : LtScaling::kBlockVec32E8M0;
+  gemm.lhs_type = CUDA_R_4F_E2M1;
+  gemm.rhs_type = CUDA_R_4F_E2M1;
+  gemm.alpha_beta = static_cast<const float*>(alpha_beta.untyped_data());
+  return RunInCore(stage, target, gemm, *checked, stream, device, lhs, rhs, lhs_scale, rhs_scale,
+                   out, workspace);
 }
 
 }  // namespace
@@ -274,3 +303,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxmxBlockFp8MatmulCuda, jaxmx::BlockFp8MatmulCuda<Stage::kExecute>,
     JAXMX_CUDA_BINDING(ExecutionStage::kExecute).Attr<bool>("lhs_tiled").Attr<bool>("rhs_tiled"),
     {xla::ffi::Traits::kCmdBufferCompatible});
+
+// jaxmx_fp4_matmul: the packed codes, the swizzled scales, then alpha_beta [..., 2] (device).
+#define JAXMX_FP4_CUDA_BINDING(stage)                                 \
+  xla::ffi::Ffi::Bind<stage>()                                        \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                  \
+      .Ctx<xla::ffi::DeviceOrdinal>()                                 \
+      .Arg<xla::ffi::AnyBuffer>() /* lhs [..., M, K/2] packed E2M1 */ \
+      .Arg<xla::ffi::AnyBuffer>() /* rhs [..., N, K/2] packed E2M1 */ \
+      .Arg<xla::ffi::AnyBuffer>() /* lhs scales, swizzled u8 */       \
+      .Arg<xla::ffi::AnyBuffer>() /* rhs scales, swizzled u8 */       \
+      .Arg<xla::ffi::AnyBuffer>() /* alpha_beta f32 [..., 2] */       \
+      .Ret<xla::ffi::AnyBuffer>() /* out [..., M, N] */               \
+      .Ret<xla::ffi::AnyBuffer>() /* cuBLASLt workspace (u8) */       \
+      .Attr<bool>("nvfp4")        /* NVFP4 (VEC16_UE4M3), else MXFP4 (VEC32) */
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCudaInitialize,
+                              jaxmx::Fp4MatmulCuda<Stage::kInitialize>,
+                              JAXMX_FP4_CUDA_BINDING(ExecutionStage::kInitialize));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp4MatmulCuda, jaxmx::Fp4MatmulCuda<Stage::kExecute>,
+                              JAXMX_FP4_CUDA_BINDING(ExecutionStage::kExecute),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -11,6 +11,7 @@
 extern "C" XLA_FFI_Error* JaxmxMxMatmulCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCpu(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCpu(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxFp4MatmulCpu(XLA_FFI_CallFrame* call_frame);
 
 #ifdef JAXMX_WITH_CUDA
 // cuBLASLt handlers (built when the CUDA runtime and cuBLASLt headers were found), per target an
@@ -21,6 +22,8 @@ extern "C" XLA_FFI_Error* JaxmxFp8MatmulCudaInitialize(XLA_FFI_CallFrame* call_f
 extern "C" XLA_FFI_Error* JaxmxFp8MatmulCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* JaxmxBlockFp8MatmulCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxFp4MatmulCudaInitialize(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JaxmxFp4MatmulCuda(XLA_FFI_CallFrame* call_frame);
 #endif
 
 namespace jaxmx {

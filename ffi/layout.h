@@ -8,7 +8,11 @@
 
 namespace jaxmx {
 
-inline constexpr int64_t kBlock = 32;     // elements per E8M0 scale (MXFP8)
+inline constexpr int64_t kBlock = 32;       // elements per E8M0 scale (MXFP8, MXFP4)
+inline constexpr int64_t kFp4Block16 = 16;  // elements per E4M3 scale (NVFP4)
+// FP4 operands: K a multiple of 32 elements, so that rows of packed E2M1 codes (the leading
+// dimension cuBLASLt sees) are multiples of 16 bytes.
+inline constexpr int64_t kFp4KMultiple = 32;
 inline constexpr int64_t kRowTile = 128;  // scale tile: 128 rows ...
 inline constexpr int64_t kColTile = 4;    // ... by 4 K-blocks, 512 bytes
 

@@ -48,6 +48,7 @@ nb::dict Registrations() {
   cpu["jaxmx_mx_matmul"] = Capsule(JaxmxMxMatmulCpu);
   cpu["jaxmx_fp8_matmul"] = Capsule(JaxmxFp8MatmulCpu);
   cpu["jaxmx_block_fp8_matmul"] = Capsule(JaxmxBlockFp8MatmulCpu);
+  cpu["jaxmx_fp4_matmul"] = Capsule(JaxmxFp4MatmulCpu);
   platforms["cpu"] = cpu;
 #ifdef JAXMX_WITH_CUDA
   nb::dict cuda;
@@ -55,6 +56,7 @@ nb::dict Registrations() {
   cuda["jaxmx_fp8_matmul"] = Stages(JaxmxFp8MatmulCudaInitialize, JaxmxFp8MatmulCuda);
   cuda["jaxmx_block_fp8_matmul"] =
       Stages(JaxmxBlockFp8MatmulCudaInitialize, JaxmxBlockFp8MatmulCuda);
+  cuda["jaxmx_fp4_matmul"] = Stages(JaxmxFp4MatmulCudaInitialize, JaxmxFp4MatmulCuda);
   platforms["CUDA"] = cuda;
 #endif
   return platforms;
@@ -109,7 +111,7 @@ nb::dict BuildInfo() {
 }  // namespace
 
 NB_MODULE(_ffi, m) {
-  m.doc() = "jaxmx native extension: XLA FFI handlers of the MX / FP8 GEMM";
+  m.doc() = "jaxmx native extension: XLA FFI handlers of the MX / FP8 / FP4 GEMMs";
 #ifdef JAXMX_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -1,5 +1,7 @@
 #include "mx_common.h"
 
+#include <algorithm>
+#include <initializer_list>
 #include <sstream>
 #include <vector>
 
@@ -114,6 +116,73 @@ ffi::ErrorOr<GemmProblem> CheckBlockF32Scales(const char* target, GemmProblem p,
   return p;
 }
 
+// The batch dims, M, N and the last dim of the operands (K, or K/2 packed bytes) of lhs
+// [..., M, K], rhs [..., N, K] and out [..., M, N], into `p`.
+ffi::ErrorOr<GemmProblem> CheckShapes(const char* target, GemmProblem p, const ffi::AnyBuffer& lhs,
+                                      const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& out) {
+  const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
+  const size_t rank = ld.size();
+  if (rank < 2) return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
+  if (rd.size() != rank || od.size() != rank)
+    return Invalid(target, "lhs " + Shape(lhs) + ", rhs " + Shape(rhs) + " and output " +
+                               Shape(out) + " must have the same rank");
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    if (rd[i] != ld[i] || od[i] != ld[i])
+      return Invalid(target, "batch dimensions differ: lhs " + Shape(lhs) + ", rhs " + Shape(rhs) +
+                                 ", output " + Shape(out));
+    p.batch *= ld[i];
+  }
+  p.m = ld[rank - 2];
+  p.k = ld[rank - 1];
+  p.n = rd[rank - 2];
+  if (rd[rank - 1] != p.k)
+    return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " + Shape(rhs) +
+                               " (operands are [M, K] and [N, K])");
+  if (od[rank - 2] != p.m || od[rank - 1] != p.n)
+    return Invalid(target, "the output must have shape [..., " + std::to_string(p.m) + ", " +
+                               std::to_string(p.n) + "], got " + Shape(out));
+  return p;
+}
+
+// The swizzled scale bytes of both operands: `kb` blocks along K, one of the element types
+// `types` (named `type_names`), [..., SwizzledSize(rows, kb)] behind the batch dims of `ld`.
+ffi::ErrorOr<GemmProblem> CheckSwizzledScales(const char* target, GemmProblem p,
+                                              ffi::Span<const int64_t> ld, int64_t kb,
+                                              const ffi::AnyBuffer& lhs_scale,
+                                              const ffi::AnyBuffer& rhs_scale,
+                                              std::initializer_list<ffi::DataType> types,
+                                              const char* type_names) {
+  const size_t rank = ld.size();
+  const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
+  const int64_t rows[2] = {p.m, p.n};
+  const char* names[2] = {"lhs", "rhs"};
+  for (int s = 0; s < 2; ++s) {
+    const ffi::AnyBuffer& sc = *scales[s];
+    const auto t = sc.element_type();
+    if (std::find(types.begin(), types.end(), t) == types.end())
+      return Invalid(target, std::string(names[s]) + " scales must be " + type_names +
+                                 " (swizzled), got " + DataTypeName(t));
+    const auto sd = sc.dimensions();
+    const std::optional<int64_t> size = SwizzledSize(rows[s], kb);
+    if (!size)
+      return Invalid(target, std::string(names[s]) + " scales of a [" + std::to_string(rows[s]) +
+                                 ", " + std::to_string(kb) + "] matrix overflow 64 bits");
+    const int64_t want = *size;
+    bool ok = sd.size() == rank - 1 && sd[rank - 2] == want;
+    for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
+    if (!ok) {
+      std::ostringstream os;
+      os << names[s] << " scales must be the swizzled [..., " << want << "] bytes of a [" << rows[s]
+         << ", " << kb << "] scale matrix (roundup(" << rows[s] << ", 128) * roundup(" << kb
+         << ", 4)), got " << Shape(sc);
+      return Invalid(target, os.str());
+    }
+  }
+  p.lhs_scale_stride = *SwizzledSize(p.m, kb);  // both checked above
+  p.rhs_scale_stride = *SwizzledSize(p.n, kb);
+  return p;
+}
+
 }  // namespace
 
 ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
@@ -137,83 +206,79 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
   if (!IsGemmOutput(p.out_type))
     return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
                                DataTypeName(p.out_type));
-
-  const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
-  const size_t rank = ld.size();
-  if (rank < 2) return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
-  if (rd.size() != rank || od.size() != rank)
-    return Invalid(target, "lhs " + Shape(lhs) + ", rhs " + Shape(rhs) + " and output " +
-                               Shape(out) + " must have the same rank");
-  for (size_t i = 0; i + 2 < rank; ++i) {
-    if (rd[i] != ld[i] || od[i] != ld[i])
-      return Invalid(target, "batch dimensions differ: lhs " + Shape(lhs) + ", rhs " + Shape(rhs) +
-                                 ", output " + Shape(out));
-    p.batch *= ld[i];
-  }
-  p.m = ld[rank - 2];
-  p.k = ld[rank - 1];
-  p.n = rd[rank - 2];
-  if (rd[rank - 1] != p.k)
-    return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " + Shape(rhs) +
-                               " (operands are [M, K] and [N, K])");
-  if (od[rank - 2] != p.m || od[rank - 1] != p.n)
-    return Invalid(target, "the output must have shape [..., " + std::to_string(p.m) + ", " +
-                               std::to_string(p.n) + "], got " + Shape(out));
+  auto shaped = CheckShapes(target, p, lhs, rhs, out);
+  if (shaped.has_error()) return shaped;
+  p = *shaped;
+  const auto ld = lhs.dimensions();
 
   if (kind == ScaleKind::kBlockE8M0) {
     if (p.k % kBlock != 0)
       return Invalid(target, "K must be a multiple of 32 for MX block scaling, got K = " +
                                  std::to_string(p.k));
-    const int64_t kb = p.k / kBlock;
-    const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
-    const int64_t rows[2] = {p.m, p.n};
-    const char* names[2] = {"lhs", "rhs"};
-    for (int s = 0; s < 2; ++s) {
-      const ffi::AnyBuffer& sc = *scales[s];
-      const auto t = sc.element_type();
-      if (t != ffi::DataType::U8 && t != ffi::DataType::F8E8M0FNU)
-        return Invalid(target, std::string(names[s]) +
-                                   " scales must be uint8 or float8_e8m0fnu (swizzled), got " +
-                                   DataTypeName(t));
-      const auto sd = sc.dimensions();
-      const std::optional<int64_t> size = SwizzledSize(rows[s], kb);
-      if (!size)
-        return Invalid(target, std::string(names[s]) + " scales of a [" + std::to_string(rows[s]) +
-                                   ", " + std::to_string(kb) + "] matrix overflow 64 bits");
-      const int64_t want = *size;
-      bool ok = sd.size() == rank - 1 && sd[rank - 2] == want;
-      for (size_t i = 0; ok && i + 2 < rank; ++i) ok = sd[i] == ld[i];
-      if (!ok) {
-        std::vector<int64_t> expect(ld.begin(), ld.end() - 2);
-        std::ostringstream os;
-        os << names[s] << " scales must be the swizzled [..., " << want << "] bytes of a ["
-           << rows[s] << ", " << kb << "] scale matrix (roundup(" << rows[s] << ", 128) * roundup("
-           << kb << ", 4)), got " << Shape(sc);
-        return Invalid(target, os.str());
-      }
-    }
-    p.lhs_scale_stride = *SwizzledSize(p.m, kb);  // both checked above
-    p.rhs_scale_stride = *SwizzledSize(p.n, kb);
-  } else if (kind == ScaleKind::kBlockF32) {
-    auto checked = CheckBlockF32Scales(target, p, ld, lhs_scale, rhs_scale, tiles);
-    if (checked.has_error()) return checked;
-    p = *checked;
-  } else {
-    const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
-    const char* names[2] = {"lhs", "rhs"};
-    for (int s = 0; s < 2; ++s) {
-      const ffi::AnyBuffer& sc = *scales[s];
-      if (sc.element_type() != ffi::DataType::F32)
-        return Invalid(target, std::string(names[s]) + " scale must be float32, got " +
-                                   DataTypeName(sc.element_type()));
-      if (static_cast<int64_t>(sc.element_count()) != p.batch)
-        return Invalid(target, std::string(names[s]) + " scale must hold one float32 per GEMM (" +
-                                   std::to_string(p.batch) + "), got shape " + Shape(sc));
-    }
-    p.lhs_scale_stride = 1;
-    p.rhs_scale_stride = 1;
+    return CheckSwizzledScales(target, p, ld, p.k / kBlock, lhs_scale, rhs_scale,
+                               {ffi::DataType::U8, ffi::DataType::F8E8M0FNU},
+                               "uint8 or float8_e8m0fnu");
   }
+  if (kind == ScaleKind::kBlockF32)
+    return CheckBlockF32Scales(target, p, ld, lhs_scale, rhs_scale, tiles);
+  const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
+  const char* names[2] = {"lhs", "rhs"};
+  for (int s = 0; s < 2; ++s) {
+    const ffi::AnyBuffer& sc = *scales[s];
+    if (sc.element_type() != ffi::DataType::F32)
+      return Invalid(target, std::string(names[s]) + " scale must be float32, got " +
+                                 DataTypeName(sc.element_type()));
+    if (static_cast<int64_t>(sc.element_count()) != p.batch)
+      return Invalid(target, std::string(names[s]) + " scale must hold one float32 per GEMM (" +
+                                 std::to_string(p.batch) + "), got shape " + Shape(sc));
+  }
+  p.lhs_scale_stride = 1;
+  p.rhs_scale_stride = 1;
   return p;
+}
+
+ffi::ErrorOr<GemmProblem> CheckFp4Gemm(const char* target, Fp4Format format,
+                                       const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
+                                       const ffi::AnyBuffer& lhs_scale,
+                                       const ffi::AnyBuffer& rhs_scale,
+                                       const ffi::AnyBuffer& alpha_beta,
+                                       const ffi::AnyBuffer& out) {
+  GemmProblem p;
+  p.lhs_type = lhs.element_type();
+  p.rhs_type = rhs.element_type();
+  p.out_type = out.element_type();
+  if (p.lhs_type != ffi::DataType::U8 || p.rhs_type != ffi::DataType::U8)
+    return Invalid(target, std::string("lhs and rhs must be uint8 (E2M1 codes packed two per "
+                                       "byte), got ") +
+                               DataTypeName(p.lhs_type) + " and " + DataTypeName(p.rhs_type));
+  if (!IsGemmOutput(p.out_type))
+    return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
+                               DataTypeName(p.out_type));
+  auto shaped = CheckShapes(target, p, lhs, rhs, out);
+  if (shaped.has_error()) return shaped;
+  p = *shaped;
+  p.k *= 2;  // elements: two per byte
+  const auto ld = lhs.dimensions();
+  const int64_t block = format.block();
+  if (p.k % block != 0)
+    return Invalid(target, std::string("K must be a multiple of ") + std::to_string(block) +
+                               " for " + format.name() + ", got K = " + std::to_string(p.k));
+  const auto ad = alpha_beta.dimensions();
+  bool ok = alpha_beta.element_type() == ffi::DataType::F32 && ad.size() == ld.size() - 1 &&
+            ad[ad.size() - 1] == 2;
+  for (size_t i = 0; ok && i + 2 < ld.size(); ++i) ok = ad[i] == ld[i];
+  if (!ok)
+    return Invalid(target,
+                   "alpha_beta must be float32 [..., 2] (alpha and beta = 0 per GEMM, "
+                   "behind the batch dims), got " +
+                       std::string(DataTypeName(alpha_beta.element_type())) + Shape(alpha_beta));
+  if (format.nvfp4)
+    return CheckSwizzledScales(target, p, ld, p.k / block, lhs_scale, rhs_scale,
+                               {ffi::DataType::U8, ffi::DataType::F8E4M3FN},
+                               "uint8 or float8_e4m3fn");
+  return CheckSwizzledScales(target, p, ld, p.k / block, lhs_scale, rhs_scale,
+                             {ffi::DataType::U8, ffi::DataType::F8E8M0FNU},
+                             "uint8 or float8_e8m0fnu");
 }
 
 }  // namespace jaxmx

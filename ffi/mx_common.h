@@ -1,5 +1,5 @@
-// Shared pieces of the jaxmx native GEMM: the fp8 / E8M0 decoders and the operand checks that
-// every handler (CPU and CUDA) runs before touching memory. The scale layout is in layout.h.
+// Shared pieces of the jaxmx native GEMM: the fp8 / fp4 / E8M0 decoders and the operand checks
+// that every handler (CPU and CUDA) runs before touching memory. The scale layout is in layout.h.
 #ifndef JAXMX_FFI_MX_COMMON_H_
 #define JAXMX_FFI_MX_COMMON_H_
 
@@ -62,6 +62,13 @@ inline float DecodeE5M2(uint8_t code) {
 
 inline constexpr uint8_t kE8M0NaN = 0xFF;
 
+// Exact value of an E2M1 code (the low 4 bits of `code`): no infinities, no NaN.
+inline float DecodeE2M1(uint8_t code) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float magnitude = kMagnitude[code & 0x7];
+  return (code & 0x8) ? -magnitude : magnitude;
+}
+
 // --- output encoding (round to nearest even, like XLA's converts) ----------------------------
 
 inline uint16_t FloatToBf16(float f) {
@@ -123,6 +130,25 @@ enum class ScaleKind { kBlockE8M0, kTensorF32, kBlockF32 };
 struct ScaleTiles {
   bool lhs = false, rhs = false;
 };
+
+// FP4 (jaxmx_fp4_matmul): E2M1 codes packed two per byte along K (element 2i in the low nibble of
+// byte i, element 2i + 1 in the high nibble, as CUDA's __nv_fp4x2 storage), one scale per block
+// of K: NVFP4, an E4M3 byte per 16 elements; MXFP4, an E8M0 byte per 32 elements.
+struct Fp4Format {
+  bool nvfp4;
+  int64_t block() const { return nvfp4 ? 16 : 32; }
+  const char* name() const { return nvfp4 ? "NVFP4" : "MXFP4"; }
+};
+
+// Checks a jaxmx_fp4_matmul call: lhs uint8 [..., M, K/2] and rhs uint8 [..., N, K/2] (packed
+// codes), K a multiple of the block, swizzled scale bytes [..., roundup(rows, 128) *
+// roundup(K/block, 4)] per operand, `alpha_beta` float32 [..., 2] (alpha, beta = 0 per GEMM) and
+// the output. The problem's k counts elements (twice the bytes).
+ffi::ErrorOr<GemmProblem> CheckFp4Gemm(const char* target, Fp4Format format,
+                                       const ffi::AnyBuffer& lhs, const ffi::AnyBuffer& rhs,
+                                       const ffi::AnyBuffer& lhs_scale,
+                                       const ffi::AnyBuffer& rhs_scale,
+                                       const ffi::AnyBuffer& alpha_beta, const ffi::AnyBuffer& out);
 
 // Checks element types and shapes of a jaxmx GEMM call and derives its problem. Every handler calls
 // this first, so malformed calls (e.g. a raw jax.ffi.ffi_call that skips the Python checks) fail

@@ -2,9 +2,10 @@
 
 ``mx_matmul`` multiplies MXFP8 operands in TN form (cuBLASLt block scaling on Blackwell, a C++
 handler on the CPU); ``block_fp8_matmul`` block-FP8 operands (1x128 blocks or 128x128 tiles,
-float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp8_matmul`` FP8 operands
-with per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler on the
-CPU). Most code calls
+float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp4_matmul`` NVFP4 or MXFP4
+operands (cuBLASLt on Blackwell, the C++ handler on the CPU); ``fp8_matmul`` FP8 operands with
+per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler on the CPU).
+Most code calls
 :func:`jaxmx.matmul` or :func:`jaxmx.dot_general` with ``backend="ffi"`` instead.
 
 Example:
@@ -19,18 +20,22 @@ Example:
 
 from jaxmx._src.backends import (
     BLOCK_FP8_FORMATS,
+    FP4_FORMATS,
     NATIVE_FORMATS,
     backends,
     block_fp8_supported,
     cublaslt_supported,
+    fp4_supported,
 )
 from jaxmx._src.extension import register_targets
 from jaxmx._src.native import (
     BLOCK_FP8_TARGET,
+    FP4_TARGET,
     FP8_TARGET,
     MX_TARGET,
     WORKSPACE_BYTES,
     block_fp8_matmul,
+    fp4_matmul,
     fp8_matmul,
     mx_matmul,
 )
@@ -38,6 +43,8 @@ from jaxmx._src.native import (
 __all__ = [
     "BLOCK_FP8_FORMATS",
     "BLOCK_FP8_TARGET",
+    "FP4_FORMATS",
+    "FP4_TARGET",
     "FP8_TARGET",
     "MX_TARGET",
     "NATIVE_FORMATS",
@@ -46,6 +53,8 @@ __all__ = [
     "block_fp8_matmul",
     "block_fp8_supported",
     "cublaslt_supported",
+    "fp4_matmul",
+    "fp4_supported",
     "fp8_matmul",
     "mx_matmul",
     "register_targets",

@@ -26,9 +26,14 @@ what is missing). Runs in under 5 minutes on one GPU and prints its run time. St
    against ``jaxmx.dequantize`` + ``jnp.dot`` and the CPU handler, and ``DEEPSEEK_FP8``'s
    forward and backward GEMMs with ``backend="ffi"`` against ``"emulate"``; elsewhere it checks
    the call fails with the capability error;
-5. CUDA graphs: the GEMMs jitted in a fresh process with XLA's command buffers enabled for
+5. FP4 (compute capability >= 10.0): ``jaxmx.ffi.fp4_matmul`` on NVFP4 and MXFP4 operands
+   (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0 on packed E2M1) against ``jaxmx.dequantize`` +
+   ``jnp.dot`` and against the CPU handler, over odd shapes, K padded, every output dtype, batch
+   dims and vmap; below 10.0 it checks the call fails cleanly with the capability error
+   ("not supported on this device");
+6. CUDA graphs: the GEMMs jitted in a fresh process with XLA's command buffers enabled for
    custom calls, on new shapes, run twice with different operands;
-6. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
+7. speed at ``--size``^3 (default 8192): bf16 ``jnp.dot``, the FP8 GEMM and the MX GEMM (with
    and without quantization), as TFLOP/s and as a ratio to bf16, all measured in this run, and
    the outputs of the timed GEMMs checked against the emulation.
 
@@ -434,6 +439,95 @@ def check_block_fp8(gpu, cpu, capability, small=False):
         check(name, False, f"{type(e).__name__}: {e}")
 
 
+def check_fp4(gpu, cpu, capability, small=False):
+    """FP4 (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0 on CUDA_R_4F_E2M1, sm_100+): NVFP4 and MXFP4."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmx
+    from jaxmx import ffi
+
+    log("== FP4 (cuBLASLt VEC16_UE4M3 / VEC32_UE8M0 on CUDA_R_4F_E2M1)")
+    try:
+        a4, b4 = (
+            jaxmx.quantize(jnp.ones((4, 64)), "nvfp4"),
+            jaxmx.quantize(jnp.ones((4, 64)), "mxfp4"),
+        )
+        ffi.fp4_matmul(a4, b4)
+        check("fp4 nvfp4 x mxfp4 is refused", False, "it ran")
+    except NotImplementedError as e:
+        check("fp4 nvfp4 x mxfp4 is refused", "two MXFP4 or two NVFP4" in str(e), str(e)[:200])
+    if capability < (10, 0):
+        for fmt in ("nvfp4", "mxfp4"):
+            name = f"fp4 {fmt} on cc < 10.0 fails cleanly with the capability error"
+            a = jax.device_put(jaxmx.quantize(jnp.ones((128, 64)), fmt), gpu)
+            try:
+                ffi.fp4_matmul(a, a).block_until_ready()
+                check(name, False, "the call succeeded")
+            except Exception as e:
+                msg = str(e)
+                ok = "compute capability" in msg and "10.0" in msg
+                log(f"  {fmt}: not supported on this device ({msg.splitlines()[0][:160]})")
+                check(name, ok, msg.splitlines()[0][:200])
+        return
+    # (format, M, N, K, out dtype): M = 1, M and N off multiples of 128, K off multiples of 32
+    cases = [
+        ("nvfp4", 128, 128, 128, jnp.bfloat16),
+        ("nvfp4", 1, 256, 4096, jnp.bfloat16),
+        ("nvfp4", 100, 200, 80, jnp.float32),
+        ("nvfp4", 257, 130, 1000, jnp.float16),
+        ("mxfp4", 128, 128, 128, jnp.float32),
+        ("mxfp4", 1, 256, 4096, jnp.bfloat16),
+        ("mxfp4", 100, 200, 96, jnp.float16),
+        ("mxfp4", 257, 130, 1000, jnp.float32),
+        ("nvfp4", 4096, 4096, 4096, jnp.bfloat16),
+        ("mxfp4", 4096, 4096, 4096, jnp.bfloat16),
+    ]
+    key = jax.random.key(11)
+    for fmt, m, n, k, out_dtype in cases:
+        if small and m * n * k > 2**25:
+            continue
+        name = f"fp4 {fmt} -> {jnp.dtype(out_dtype).name} [{m}, {n}, {k}]"
+        try:
+            key, ka, kb = jax.random.split(key, 3)
+            x, w = exponent_varied(ka, (m, k)), exponent_varied(kb, (n, k))
+            a, b = jax.device_put((jaxmx.quantize(x, fmt), jaxmx.quantize(w, fmt)), gpu)
+            f = jax.jit(lambda a, b, o=out_dtype: ffi.fp4_matmul(a, b, o))
+            check_native_gemm(name, f, a, b, out_dtype, cpu, with_cpu=m * n * k <= 2**27)
+        except Exception as e:
+            check(name, False, f"{type(e).__name__}: {e}")
+    for fmt in ("nvfp4", "mxfp4"):
+        name = f"fp4 {fmt} batch dims and vmap (a tensor scale per element) vs CPU handler"
+        try:
+            x = exponent_varied(jax.random.key(12), (3, 100, 256))
+            w = exponent_varied(jax.random.key(13), (3, 72, 256))
+            quantize = jax.vmap(lambda t, fmt=fmt: jaxmx.quantize(t, fmt))
+            a, b = quantize(x), quantize(w)
+            whole = jaxmx.quantize(x, fmt), jaxmx.quantize(w, fmt)  # one tensor scale each
+
+            def gemms(a, b, whole):
+                mm = jax.jit(lambda a, b: ffi.fp4_matmul(a, b, jnp.float32))
+                vmapped = jax.jit(jax.vmap(lambda a, b: ffi.fp4_matmul(a, b, jnp.float32)))
+                return mm(*whole), vmapped(a, b)
+
+            got = gemms(*jax.device_put((a, b, whole), gpu))
+            want = gemms(*jax.device_put((a, b, whole), cpu))
+            dequantize = jax.vmap(jaxmx.dequantize)
+            abs_sums = [
+                jnp.einsum("bmk,bnk->bmn", abs(xd), abs(wd))
+                for xd, wd in [
+                    (jaxmx.dequantize(whole[0]), jaxmx.dequantize(whole[1])),
+                    (dequantize(a), dequantize(b)),
+                ]
+            ]
+            err = max(
+                max_error(g, c, t, jnp.float32) for g, c, t in zip(got, want, abs_sums, strict=True)
+            )
+            check(name, err <= 1.0, f"error {err:.3g} of bound")
+        except Exception as e:
+            check(name, False, f"{type(e).__name__}: {e}")
+
+
 def exponent_varied(key, shape):
     """Normal data times 2^e, e varying per row (-8..2) and per 32-element block (-3..1): scales
     differ across rows and blocks, and float16 results stay finite."""
@@ -680,6 +774,7 @@ def main() -> int:
         check_fp8(cpu, cpu, (10, 0))
         check_mx(cpu, cpu, (10, 0), small=True)
         check_block_fp8(cpu, cpu, (9, 0), small=True)
+        check_fp4(cpu, cpu, (10, 0), small=True)
         check_graphs((10, 0), "cpu")
         if not args.skip_speed:
             speed(cpu, (10, 0), args.size, args.iters)
@@ -697,6 +792,7 @@ def main() -> int:
     cc = tuple(int(p) for p in str(gpu.compute_capability).split(".")[:2])
     steps = [lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)]
     steps.append(lambda: check_block_fp8(gpu, cpu, cc))
+    steps.append(lambda: check_fp4(gpu, cpu, cc))
     steps.append(lambda: check_graphs(cc, "gpu"))
     if cc >= (8, 9):
         steps.append(lambda: check_devices(gpus, cpu))

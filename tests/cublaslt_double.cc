@@ -13,6 +13,14 @@
 //   with the rows contiguous, or per 128x128 tile, stored [ceil(rows/128), roundup(K/128, 4)]
 //   with the K-blocks contiguous; each 128-block's exact sum of products times both scales is
 //   added to a float32 accumulator;
+//   FP4 (CUDA 12.8, sm_100+): CUDA_R_4F_E2M1 A and B, two elements per byte (element 2i of the
+//   column-major storage in the low nibble of byte i, 2i + 1 in the high nibble: CUDA's
+//   __nv_fp4x2 storage), leading dimensions and batch strides in elements, with
+//   CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 (NVFP4: one unsigned E4M3 byte per 16 elements, the
+//   sign bit ignored, in the 128x4 tiled layout) or VEC32_UE8M0 (MXFP4); each block's exact sum
+//   of products times both scales is added to a float32 accumulator;
+//   alpha and beta on the host (CUBLASLT_POINTER_MODE_HOST, the default) or in device memory
+//   (CUBLASLT_POINTER_MODE_DEVICE), D = alpha * accumulator in float32;
 //   strided batches (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT / STRIDED_BATCH_OFFSET), the scale
 //   tensors of consecutive batch elements one after the other;
 // and refuses what cuBLASLt refuses:
@@ -20,11 +28,13 @@
 //   A, B, C or D not 16-byte aligned, or a heuristic asked for less (CUBLAS_STATUS_NOT_SUPPORTED);
 //   E5M2 x E5M2, mixed scale modes (but 1x128 with 128x128), 128x128 x 128x128, VEC32 below
 //   compute capability 10.0 or cuBLASLt 12.8, block FP8 off compute capability 9.x or below
-//   cuBLASLt 12.9, FP8 below 8.9, K not a multiple of 32 (VEC32), 128 (block FP8) or 16 (FP8), a
-//   1x128 scale tensor whose rows are not a multiple of 4 (16 bytes) or a scale tensor not
-//   16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A
+//   cuBLASLt 12.9, FP8 below 8.9, K not a multiple of 32 (VEC32), 128 (block FP8) or 16 (FP8 and
+//   VEC16), a 1x128 scale tensor whose rows are not a multiple of 4 (16 bytes) or a scale tensor
+//   not 16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A
 //   transposed, B not) on architectures that only have TN kernels (compute capability 8.9, 9.x
-//   and 12.x) (all CUBLAS_STATUS_NOT_SUPPORTED); inconsistent shapes or batch counts
+//   and 12.x); FP4 mixed with FP8, FP4 without block scaling (VEC16 or VEC32), VEC16 on FP8
+//   operands, FP4 below compute capability 10.0 or cuBLASLt 12.8, and FP4 in any layout but TN
+//   on every architecture (all CUBLAS_STATUS_NOT_SUPPORTED); inconsistent shapes or batch counts
 //   (CUBLAS_STATUS_INVALID_VALUE).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
@@ -59,6 +69,8 @@ struct MatmulRecord {  // one cublasLtMatmul that ran
   int64_t fast_accum;                 // -1: never set
   int64_t alpha_vector_batch_stride;  // -1: never set
   int64_t a_scale_mode, b_scale_mode;
+  int64_t pointer_mode;  // -1: never set
+  double alpha;          // the alpha read, from the host or device pointer
 };
 
 struct Machine {
@@ -130,8 +142,26 @@ constexpr uint64_t kAlgoMagic = 0x6a61786d78ull;  // marks algorithms this doubl
 // --- element types -----------------------------------------------------------------------------
 
 bool IsFp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+bool IsFp4(cudaDataType_t t) { return t == CUDA_R_4F_E2M1; }
 bool IsOutput(cudaDataType_t t) { return t == CUDA_R_32F || t == CUDA_R_16BF || t == CUDA_R_16F; }
 int64_t Bytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : IsFp8(t) ? 1 : 2; }
+int64_t Bits(cudaDataType_t t) { return IsFp4(t) ? 4 : 8 * Bytes(t); }
+
+// E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit; no infinities or NaN.
+double DecodeFp4(uint8_t nibble) {
+  const int e = (nibble >> 1) & 3, m = nibble & 1;
+  const double v = e == 0 ? m * 0.5 : std::ldexp(2 + m, e - 2);
+  return (nibble & 8) ? -v : v;
+}
+
+double DecodeFp8(uint8_t code, cudaDataType_t t);
+
+// Element `index` (in elements from `base`) of a matrix of type `t`: FP4 packed two per byte.
+double Element(const uint8_t* base, int64_t index, cudaDataType_t t) {
+  if (!IsFp4(t)) return DecodeFp8(base[index], t);
+  const uint8_t byte = base[index / 2];
+  return DecodeFp4(index % 2 ? byte >> 4 : byte & 0xF);
+}
 
 double DecodeFp8(uint8_t code, cudaDataType_t t) {
   const int sign = code >> 7;
@@ -201,6 +231,7 @@ int64_t TiledBytes(int64_t rows, int64_t blocks) {
 struct Problem {  // op(A) [m, k], op(B) [k, n], D [m, n]
   int64_t m, n, k, batch;
   bool vec32;
+  bool vec16;             // VEC16_UE4M3 (NVFP4)
   bool block_fp8;         // VEC128_32F / BLK128x128_32F
   bool a_tiles, b_tiles;  // block FP8: BLK128x128_32F for A / B
 };
@@ -230,7 +261,9 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
   const int cc = cc_it->second;
   if (desc.compute != CUBLAS_COMPUTE_32F || desc.scale != CUDA_R_32F)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP8 needs CUBLAS_COMPUTE_32F, scale type 32F");
-  if (!IsFp8(a.type) || !IsFp8(b.type) || !IsOutput(d.type))
+  if (IsFp4(a.type) != IsFp4(b.type)) return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP4 with FP8");
+  const bool fp4 = IsFp4(a.type);
+  if ((!fp4 && (!IsFp8(a.type) || !IsFp8(b.type))) || !IsOutput(d.type))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "unsupported types");
   if (a.type == CUDA_R_8F_E5M2 && b.type == CUDA_R_8F_E5M2)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "E5M2 x E5M2");
@@ -238,6 +271,8 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
   const auto tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
   if (OnlyTn(cc) && !(ta == CUBLAS_OP_T && tb == CUBLAS_OP_N))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "only TN on this architecture");
+  if (fp4 && !(ta == CUBLAS_OP_T && tb == CUBLAS_OP_N))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP4 only TN");
   const int scale_default = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   const int32_t sa = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_default);
   const int32_t sb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_default);
@@ -245,8 +280,16 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
   p->a_tiles = sa == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   p->b_tiles = sb == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   if (!p->block_fp8 && (sa != sb || (sa != CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F &&
-                                     sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0)))
+                                     sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0 &&
+                                     sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3)))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "scale modes");
+  p->vec16 = sa == CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
+  if (p->vec16 && !fp4) return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "VEC16_UE4M3 on FP8");
+  if (fp4 && sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 &&
+      sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0)
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP4 without block scaling");
+  if (fp4 && (cc < 100 || mc.cublaslt_version < 120800))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "FP4 needs sm_100+ and cuBLASLt 12.8");
   if (p->a_tiles && p->b_tiles)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "BLK128x128_32F x BLK128x128_32F");
   if (p->block_fp8 && (cc / 10 != 9 || mc.cublaslt_version < 120900))
@@ -272,7 +315,8 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "K is not a multiple of the block");
   if (p->block_fp8 && ((!p->a_tiles && p->m % 4 != 0) || (!p->b_tiles && p->n % 4 != 0)))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "1x128 scale rows not a multiple of 16 bytes");
-  if (a.ld % 16 != 0 || b.ld % 16 != 0 || d.ld * Bytes(d.type) % 16 != 0)
+  if (a.ld * Bits(a.type) % 128 != 0 || b.ld * Bits(b.type) % 128 != 0 ||
+      d.ld * Bytes(d.type) % 16 != 0)
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "leading dimensions not multiples of 16 bytes");
   return CUBLAS_STATUS_SUCCESS;
 }
@@ -451,26 +495,34 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "block FP8 scales not 16-byte aligned");
   const bool ta = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N) == CUBLAS_OP_T;
   const bool tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N) == CUBLAS_OP_T;
+  // alpha and beta: host values, or (CUBLASLT_POINTER_MODE_DEVICE) device pointers
+  const int32_t pointer_mode =
+      desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_HOST);
+  if (pointer_mode != CUBLASLT_POINTER_MODE_HOST && pointer_mode != CUBLASLT_POINTER_MODE_DEVICE)
+    return Refuse(CUBLAS_STATUS_INVALID_VALUE, "this double implements host and device scalars");
   const float alpha_value = *static_cast<const float*>(alpha);
-  const int64_t blocks = p.k / 32, blocks128 = p.k / 128;
-  const int64_t block = p.block_fp8 ? 128 : 32;
+  const int64_t blocks = p.k / 32, blocks16 = p.k / 16, blocks128 = p.k / 128;
+  const int64_t block = p.block_fp8 ? 128 : p.vec16 ? 16 : 32;
   const auto* a8 = static_cast<const uint8_t*>(a_data);
   const auto* b8 = static_cast<const uint8_t*>(b_data);
   auto* d8 = static_cast<uint8_t*>(d_data);
   for (int64_t g = 0; g < p.batch; ++g) {
-    const uint8_t* ag = a8 + g * a.stride();
-    const uint8_t* bg = b8 + g * b.stride();
     for (int64_t i = 0; i < p.m; ++i) {
       for (int64_t j = 0; j < p.n; ++j) {
         float acc = 0.0f;
         for (int64_t k0 = 0; k0 < p.k; k0 += block) {  // float32 accumulation, exact products
           double sum = 0.0;
           for (int64_t k = k0; k < k0 + block && k < p.k; ++k) {
-            const uint8_t x = ag[ta ? k + i * a.ld : i + k * a.ld];
-            const uint8_t y = bg[tb ? j + k * b.ld : k + j * b.ld];
-            sum += DecodeFp8(x, a.type) * DecodeFp8(y, b.type);
+            const int64_t x = g * a.stride() + (ta ? k + i * a.ld : i + k * a.ld);
+            const int64_t y = g * b.stride() + (tb ? j + k * b.ld : k + j * b.ld);
+            sum += Element(a8, x, a.type) * Element(b8, y, b.type);
           }
-          if (p.vec32) {
+          if (p.vec16) {  // unsigned E4M3 scales: the sign bit is ignored
+            const auto* sa = static_cast<const uint8_t*>(a_scale) + g * TiledBytes(p.m, blocks16);
+            const auto* sb = static_cast<const uint8_t*>(b_scale) + g * TiledBytes(p.n, blocks16);
+            sum *= DecodeFp8(sa[TiledOffset(i, k0 / 16, blocks16)] & 0x7F, CUDA_R_8F_E4M3) *
+                   DecodeFp8(sb[TiledOffset(j, k0 / 16, blocks16)] & 0x7F, CUDA_R_8F_E4M3);
+          } else if (p.vec32) {
             const auto* sa = static_cast<const uint8_t*>(a_scale) + g * TiledBytes(p.m, blocks);
             const auto* sb = static_cast<const uint8_t*>(b_scale) + g * TiledBytes(p.n, blocks);
             const int ea = sa[TiledOffset(i, k0 / 32, blocks)];
@@ -488,7 +540,7 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
           acc += static_cast<float>(sum);
         }
         float v = alpha_value * acc;
-        if (!p.vec32 && !p.block_fp8)
+        if (!p.vec32 && !p.vec16 && !p.block_fp8)
           v *= *static_cast<const float*>(a_scale) * *static_cast<const float*>(b_scale);
         Store(v, d.type, d8 + (g * d.stride() + i + j * d.ld) * Bytes(d.type));
       }
@@ -501,7 +553,8 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
                    desc.attrs.Get<int8_t>(CUBLASLT_MATMUL_DESC_FAST_ACCUM, -1),
                    desc.attrs.Get<int64_t>(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, -1),
                    desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, 0),
-                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, 0)});
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, 0),
+                   desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_POINTER_MODE, -1), alpha_value});
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -540,6 +593,7 @@ cudaDataType_t TypeNamed(const char* name) {
   const std::string n = name;
   if (n == "float8_e4m3fn") return CUDA_R_8F_E4M3;
   if (n == "float8_e5m2") return CUDA_R_8F_E5M2;
+  if (n == "float4_e2m1fn") return CUDA_R_4F_E2M1;
   if (n == "bfloat16") return CUDA_R_16BF;
   if (n == "float16") return CUDA_R_16F;
   if (n == "float32") return CUDA_R_32F;
@@ -581,16 +635,18 @@ void core_free(void* context) { delete static_cast<jaxmx::LtContext*>(context); 
 
 // LtContext::Run (`prepare_only`: LtContext::Prepare) of the GEMM described by the arguments;
 // returns the LtCode and copies the message into `message`.
-// `scaling`: 0 per-tensor, 1 MX (VEC32_UE8M0), 2 block FP8 with 1x128 blocks, 3 block FP8 with
-// 128x128 rhs tiles, 4 block FP8 with 128x128 lhs tiles, 5 block FP8 with both tiled.
+// `scaling`: 0 per-tensor, 1 MX (VEC32_UE8M0; MXFP4 with float4_e2m1fn types), 2 block FP8 with
+// 1x128 blocks, 3 block FP8 with 128x128 rhs tiles, 4 block FP8 with 128x128 lhs tiles, 5 block
+// FP8 with both tiled, 6 NVFP4 (VEC16_UE4M3). `alpha_beta`: LtGemm::alpha_beta (may be null).
 int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t batch, int64_t m,
               int64_t n, int64_t k, const char* lhs_type, const char* rhs_type,
               const char* out_type, const void* lhs, const void* rhs, const void* lhs_scale,
               const void* rhs_scale, void* out, int fast_accum, void* workspace,
-              uint64_t workspace_bytes, char* message, int message_size) {
+              uint64_t workspace_bytes, char* message, int message_size, const float* alpha_beta) {
   jaxmx::LtGemm g;
   g.scaling = scaling == 0   ? jaxmx::LtScaling::kTensorF32
               : scaling == 1 ? jaxmx::LtScaling::kBlockVec32E8M0
+              : scaling == 6 ? jaxmx::LtScaling::kBlockVec16E4M3
                              : jaxmx::LtScaling::kBlockF32;
   g.rhs_tiled = scaling == 3 || scaling == 5;
   g.lhs_tiled = scaling == 4 || scaling == 5;
@@ -607,6 +663,7 @@ int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t 
   g.rhs_scale = rhs_scale;
   g.out = out;
   g.fast_accum = fast_accum != 0;
+  g.alpha_beta = alpha_beta;
   auto* c = static_cast<jaxmx::LtContext*>(context);
   const jaxmx::LtStatus s = prepare_only ? c->Prepare(device, g, workspace, workspace_bytes)
                                          : c->Run(device, g, workspace, workspace_bytes, nullptr);
@@ -617,26 +674,28 @@ int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t 
 // A plain cuBLASLt user of the double, without the core: D [m, n] = op(A) op(B), A [k, m] and
 // B [k, n] as stored (both K-major), on device 0, with the workspace at `workspace_offset` bytes
 // past a 256-byte boundary. `scaling`: 0 per-tensor scales 1, 1 VEC32 scales 2^0, 2..5 block FP8
-// scales 1 (2: VEC128_32F for A and B, 3: BLK128x128_32F for A, 4: for B, 5: for both). Returns
-// the status name of the heuristic (if it refused) or of cublasLtMatmul.
+// scales 1 (2: VEC128_32F for A and B, 3: BLK128x128_32F for A, 4: for B, 5: for both), 6 VEC16
+// scales 1 (UE4M3). Returns the status name of the heuristic (if it refused) or of
+// cublasLtMatmul.
 const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_type,
                                 const char* b_type, int transa, int transb, int scaling,
                                 uint64_t workspace_offset) {
-  const bool block_scaled = scaling == 1;
+  const bool block_scaled = scaling == 1 || scaling == 6;
   const cudaDataType_t ta = TypeNamed(a_type), tb = TypeNamed(b_type);
   auto buffer = [](size_t bytes) {
     return std::unique_ptr<uint8_t, decltype(&std::free)>(
         static_cast<uint8_t*>(std::aligned_alloc(256, (bytes + 511) / 256 * 256)), &std::free);
   };
   auto a = buffer(m * k), b = buffer(n * k), d = buffer(m * n * 4), ws = buffer(1024);
-  const int64_t blocks = k / 32;
+  const int64_t blocks = k / (scaling == 6 ? 16 : 32);
   const int64_t scale_bytes = std::max(TiledBytes(std::max(m, n), blocks), (m + n + 128) * k) + 4;
   auto sa = buffer(scale_bytes), sb = buffer(scale_bytes);
   std::memset(a.get(), 0, m * k);
   std::memset(b.get(), 0, n * k);
   const float one = 1.0f, zero = 0.0f;
-  std::memset(sa.get(), 127, TiledBytes(m, blocks));
-  std::memset(sb.get(), 127, TiledBytes(n, blocks));
+  const int scale_one = scaling == 6 ? 0x38 : 127;  // E4M3 1.0, E8M0 2^0
+  std::memset(sa.get(), scale_one, TiledBytes(m, blocks));
+  std::memset(sb.get(), scale_one, TiledBytes(n, blocks));
   if (scaling != 1) {
     std::fill_n(reinterpret_cast<float*>(sa.get()), scale_bytes / 4, 1.0f);
     std::fill_n(reinterpret_cast<float*>(sb.get()), scale_bytes / 4, 1.0f);
@@ -650,7 +709,8 @@ const char* double_plain_matmul(int64_t m, int64_t n, int64_t k, const char* a_t
   DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a);
   DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b);
   if (block_scaled) {
-    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    const int32_t mode = scaling == 6 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3
+                                      : CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof mode);
     DescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof mode);
   } else if (scaling >= 2) {

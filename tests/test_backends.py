@@ -95,6 +95,7 @@ def test_the_availability_report_names_every_backend():
         "ffi-cpu",
         "cublaslt",
         "cublaslt-block-fp8",
+        "cublaslt-fp4",
         "native-recipes",
     }
     assert report["emulate"] == "available"
@@ -103,6 +104,7 @@ def test_the_availability_report_names_every_backend():
     if not has_gpu:
         assert report["cublaslt"] != "available"
         assert report["cublaslt-block-fp8"] != "available"
+        assert report["cublaslt-fp4"] != "available"
         assert report["native-recipes"].startswith("none")
 
 

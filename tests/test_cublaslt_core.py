@@ -43,6 +43,8 @@ class MatmulRecord(ctypes.Structure):
         ("alpha_vector_batch_stride", ctypes.c_int64),
         ("a_scale_mode", ctypes.c_int64),
         ("b_scale_mode", ctypes.c_int64),
+        ("pointer_mode", ctypes.c_int64),
+        ("alpha", ctypes.c_double),
     ]
 
 
@@ -81,7 +83,7 @@ def build(directory, core_includes=()) -> ctypes.CDLL:
     lib.core_new.restype = p
     lib.core_free.argtypes = [p]
     lib.core_gemm.argtypes = [p, i, i, i, i64, i64, i64, i64, s, s, s, p, p, p, p, p, i, p]
-    lib.core_gemm.argtypes += [ctypes.c_uint64, s, i]
+    lib.core_gemm.argtypes += [ctypes.c_uint64, s, i, p]
     lib.double_plain_matmul.argtypes = [i64, i64, i64, s, s, i, i, i, ctypes.c_uint64]
     lib.double_plain_matmul.restype = s
     return lib
@@ -145,22 +147,32 @@ class Machine:
         workspace=None,
         prepare_only=False,
         tiles=None,
+        fp4=None,
+        alpha_beta=None,
+        types=None,
     ):
         """(LtCode name, message) of the core on these host buffers ([B, M, K], [B, N, K]).
 
         ``tiles``: None (``mx`` says MX or per-tensor), else a block-FP8 call with 128x128 tiles
-        for ``"rhs"``, ``"lhs"``, ``"both"`` or ``""`` (1x128 blocks on both sides)."""
+        for ``"rhs"``, ``"lhs"``, ``"both"`` or ``""`` (1x128 blocks on both sides). ``fp4``:
+        ``"nvfp4"`` or ``"mxfp4"``: packed E2M1 operands ([B, M, K/2], [B, N, K/2] bytes) with
+        those scales and ``alpha_beta`` (float32 [B, 2], or None: a null pointer); ``types``
+        overrides the operand type names."""
         scaling = int(mx) if tiles is None else {"": 2, "rhs": 3, "lhs": 4, "both": 5}[tiles]
         batch, m, k = lhs.shape
         n = rhs.shape[1]
+        if fp4 is not None:
+            scaling, k = {"nvfp4": 6, "mxfp4": 1}[fp4], 2 * k
+            types = types or ("float4_e2m1fn", "float4_e2m1fn")
+        types = types or (lhs.dtype.name, rhs.dtype.name)
         workspace = aligned(ffi.WORKSPACE_BYTES + 256) if workspace is None else workspace
         message = ctypes.create_string_buffer(1024)
         code = self.lib.core_gemm(
             self.context, int(prepare_only), device, scaling, batch, m, n, k,
-            lhs.dtype.name.encode(), rhs.dtype.name.encode(), out.dtype.name.encode(),
+            types[0].encode(), types[1].encode(), out.dtype.name.encode(),
             lhs.ctypes.data, rhs.ctypes.data, lhs_scale.ctypes.data, rhs_scale.ctypes.data,
             out.ctypes.data, int(fast_accum), workspace.ctypes.data, workspace.nbytes,
-            message, len(message),
+            message, len(message), None if alpha_beta is None else alpha_beta.ctypes.data,
         )  # fmt: skip
         return CODES[code], message.value.decode()
 
@@ -605,3 +617,161 @@ def test_headers_without_the_block_fp8_modes_build_a_core_that_refuses_block_fp8
         assert gpu.gemm(a, b, s, s, d, mx=False) == ("ok", "")  # per-tensor FP8 still runs
     finally:
         gpu.close()
+
+
+# --- FP4 (CUDA_R_4F_E2M1 with VEC16_UE4M3 / VEC32_UE8M0) -------------------------------------
+
+VEC16, VEC32, POINTER_MODE_DEVICE = 1, 2, 1  # cublasLt.h enum values
+FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}
+
+
+def pack_fp4(nibbles: np.ndarray) -> np.ndarray:
+    """[..., K] E2M1 codes (0..15) -> [..., K/2] bytes, element 2i in the low nibble."""
+    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).astype(np.uint8)
+
+
+def fp4_scale_values(scale_bytes: np.ndarray, fmt: str) -> np.ndarray:
+    """float64 values of scale bytes: unsigned E4M3 (the sign bit ignored, as cuBLASLt's UE4M3)
+    or E8M0 (2^(byte - 127), 0xFF NaN)."""
+    if fmt == "nvfp4":
+        return (scale_bytes & 0x7F).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    out = 2.0 ** (scale_bytes.astype(np.float64) - 127)
+    return np.where(scale_bytes == 0xFF, np.nan, out)
+
+
+def fp4_reference(a_nib, b_nib, sa_bytes, sb_bytes, alpha, fmt, out_dtype):
+    """out [B, M, N]: per block the exact (float64) sum of code products times both scales,
+    rounded to float32 and accumulated block after block in float32; then float32(alpha * acc)
+    rounded to the output type."""
+    block = FP4_BLOCK[fmt]
+    x = a_nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    y = b_nib.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    sa, sb = fp4_scale_values(sa_bytes, fmt), fp4_scale_values(sb_bytes, fmt)
+    batch, m, k = x.shape
+    n = y.shape[1]
+    acc = np.zeros((batch, m, n), np.float32)
+    for c in range(k // block):
+        part = slice(c * block, (c + 1) * block)
+        exact = np.einsum("bmk,bnk->bmn", x[..., part], y[..., part])
+        with np.errstate(invalid="ignore"):
+            value = exact * sa[:, :, c, None] * sb[:, None, :, c]
+        acc = (acc + value.astype(np.float32)).astype(np.float32)
+    return (alpha.astype(np.float32)[:, None, None] * acc).astype(OUT[out_dtype])
+
+
+def fp4_case(seed, batch, m, n, k, fmt):
+    """Packed operands, swizzled scales, alpha_beta and the compact inputs of an FP4 GEMM."""
+    rng = np.random.default_rng(seed)
+    block = FP4_BLOCK[fmt]
+    a_nib = rng.integers(0, 16, (batch, m, k), dtype=np.uint8)
+    b_nib = rng.integers(0, 16, (batch, n, k), dtype=np.uint8)
+    if fmt == "nvfp4":  # E4M3 scales 2^-9 .. 448, sign bits set at random (ignored: UE4M3)
+        sa = rng.integers(1, 0x7F, (batch, m, k // block), dtype=np.uint8)
+        sb = rng.integers(1, 0x7F, (batch, n, k // block), dtype=np.uint8)
+        sa |= rng.integers(0, 2, sa.shape, dtype=np.uint8) << 7
+    else:
+        sa = rng.integers(110, 140, (batch, m, k // block), dtype=np.uint8)
+        sb = rng.integers(110, 140, (batch, n, k // block), dtype=np.uint8)
+    alpha = np.float32(rng.uniform(0.5, 2.0, batch) * 2.0 ** rng.integers(-24, -16, batch))
+    alpha_beta = placed(np.stack([alpha, np.zeros_like(alpha)], -1).astype(np.float32))
+    operands = (placed(pack_fp4(a_nib)), placed(pack_fp4(b_nib)))
+    operands += (placed(swizzled(sa)), placed(swizzled(sb)))
+    return operands, alpha_beta, (a_nib, b_nib, sa, sb, alpha)
+
+
+FP4_CASES = [  # fmt, batch, m, n, k, out
+    ("nvfp4", 1, 5, 16, 64, "float32"),
+    ("nvfp4", 3, 130, 32, 96, "bfloat16"),
+    ("mxfp4", 2, 7, 48, 128, "float32"),
+    ("mxfp4", 1, 33, 16, 64, "float16"),
+]
+
+
+@pytest.mark.parametrize("fmt,batch,m,n,k,out", FP4_CASES)
+def test_fp4_gemm_matches_numpy_bit_for_bit(machine, fmt, batch, m, n, k, out):
+    gpu = machine((100,), 120800)
+    (a, b, sa, sb), alpha_beta, compact = fp4_case(m + n + k, batch, m, n, k, fmt)
+    d = placed(np.full((batch, m, n), np.nan, OUT[out]))
+    assert gpu.gemm(a, b, sa, sb, d, mx=False, fp4=fmt, alpha_beta=alpha_beta) == ("ok", "")
+    want = fp4_reference(*compact[:4], compact[4], fmt, out)
+    np.testing.assert_array_equal(d.view(np.uint8), want.view(np.uint8))
+    records = gpu.matmuls()  # one call per batch element, each with its alpha from the device
+    assert [r.batch_count for r in records] == [1] * batch
+    assert [r.alpha for r in records] == [float(x) for x in compact[4]]
+    mode = VEC16 if fmt == "nvfp4" else VEC32
+    for r in records:
+        assert (r.a_scale_mode, r.b_scale_mode, r.pointer_mode) == (mode, mode, POINTER_MODE_DEVICE)
+        assert (r.transa, r.transb) == (1, 0)
+        assert r.alpha_vector_batch_stride == -1  # no dummy (cuBLASLt 12.8.0 here): FP4 types
+
+
+@pytest.mark.parametrize("fmt,nan_byte", [("nvfp4", 0x7F), ("mxfp4", 0xFF)])
+def test_fp4_nan_scale_gives_nan_in_its_row_only(machine, fmt, nan_byte):
+    gpu = machine((100,))
+    (a, b, _, sb), alpha_beta, compact = fp4_case(1, 1, 4, 16, 64, fmt)
+    sa_compact = compact[2].copy()
+    sa_compact[0, 2, 1] = nan_byte
+    d = placed(np.zeros((1, 4, 16), np.float32))
+    sa = placed(swizzled(sa_compact))
+    assert gpu.gemm(a, b, sa, sb, d, mx=False, fp4=fmt, alpha_beta=alpha_beta)[0] == "ok"
+    assert np.isnan(d[0, 2]).all() and np.isfinite(d[0, [0, 1, 3]]).all()
+
+
+def test_fp4_needs_blackwell_cublaslt_12_8_k_a_multiple_of_32_and_device_alpha(machine):
+    (a, b, sa, sb), alpha_beta, _ = fp4_case(2, 1, 8, 16, 64, "nvfp4")
+    d = placed(np.zeros((1, 8, 16), np.float32))
+
+    def run(gpu, a=a, b=b, **kwargs):
+        kwargs = {"fp4": "nvfp4", "alpha_beta": alpha_beta, **kwargs}
+        return gpu.gemm(a, b, sa, sb, d, mx=False, **kwargs)
+
+    code, message = run(machine((90,), 130100))
+    assert code == "failed_precondition"
+    assert "device 0 has compute capability 9.0; FP4 block-scaled matmul" in message
+    code, message = run(machine((100,), 120700))
+    assert (code, message) == (
+        "failed_precondition",
+        "cuBLASLt 12.7.0 is loaded; FP4 block scaling needs CUDA/cuBLASLt >= 12.8",
+    )
+    gpu = machine((100,))
+    a48 = placed(np.zeros((1, 8, 24), np.uint8))  # K = 48: rows of 24 bytes
+    b48 = placed(np.zeros((1, 16, 24), np.uint8))
+    code, message = run(gpu, a48, b48)
+    assert code == "invalid_argument" and "K must be a multiple of 32 for FP4" in message
+    code, message = run(gpu, alpha_beta=None)
+    assert code == "invalid_argument" and "alpha_beta is null" in message
+    code, message = run(gpu, types=("float4_e2m1fn", "float8_e4m3fn"))
+    assert code == "unimplemented" and "float4_e2m1fn x float8_e4m3fn" in message
+    code, message = run(gpu, types=("float8_e4m3fn", "float8_e4m3fn"))
+    assert code == "unimplemented" and "takes float4_e2m1fn operands" in message
+    code, message = run(gpu, a=placed(a, 8))  # operands 16-byte aligned, or no algorithm
+    assert code == "unimplemented" and "no algorithm for NVFP4 block-scaled" in message
+    assert gpu.refusal() == "operands aligned to less than 16 bytes"
+    assert gpu.matmuls() == []
+    assert run(gpu) == ("ok", "")
+
+
+def test_the_double_refuses_what_cublaslt_refuses_for_fp4(lib, machine):
+    f4, e4 = "float4_e2m1fn", "float8_e4m3fn"
+    machine((90,))
+    assert plain_matmul(lib, 32, 32, 64, (f4, f4), scaling=6) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    assert lib.double_refusal() == b"FP4 needs sm_100+ and cuBLASLt 12.8"
+    machine((100,), 120700)
+    assert plain_matmul(lib, 32, 32, 64, (f4, f4), scaling=1) == "CUBLAS_STATUS_NOT_SUPPORTED"
+    machine((100,))
+    for scaling in (1, 6):  # MXFP4, NVFP4
+        assert plain_matmul(lib, 32, 32, 64, (f4, f4), scaling=scaling) == "CUBLAS_STATUS_SUCCESS"
+        for trans in [(0, 0), (1, 1), (0, 1)]:  # sm_100 has other FP8 layouts, not for FP4
+            status = plain_matmul(lib, 32, 32, 64, (f4, f4), trans, scaling=scaling)
+            assert status == "CUBLAS_STATUS_NOT_SUPPORTED"
+            assert lib.double_refusal() == b"FP4 only TN"
+    for types, scaling, refusal in [
+        ((f4, e4), 1, b"FP4 with FP8"),
+        ((e4, f4), 6, b"FP4 with FP8"),
+        ((f4, f4), 0, b"FP4 without block scaling"),
+        ((e4, e4), 6, b"VEC16_UE4M3 on FP8"),
+        ((f4, f4), 6, b"leading dimensions not multiples of 16 bytes"),  # K = 48: 24-byte rows
+    ]:
+        k = 48 if refusal.startswith(b"leading") else 64
+        assert plain_matmul(lib, 32, 32, k, types, scaling=scaling) != "CUBLAS_STATUS_SUCCESS"
+        assert lib.double_refusal() == refusal, (types, scaling)

@@ -1,10 +1,11 @@
 """GEMM backends: which exist, which are available here, and what ``"auto"`` runs on each platform.
 
 - ``"emulate"``: exact decode + ``lax.dot_general`` with float32 accumulation; every platform.
-- ``"ffi"``: the native custom calls: cuBLASLt block-scaled matmul on CUDA devices (MXFP8 formats
-  on compute capability >= 10.0, block FP8 on 9.x), the extension's C++ twins on the CPU.
+- ``"ffi"``: the native custom calls: cuBLASLt block-scaled matmul on CUDA devices (MXFP8 and
+  FP4 formats on compute capability >= 10.0, block FP8 on 9.x), the extension's C++ twins on the
+  CPU.
 - ``"auto"``: per lowering platform: ``"ffi"`` on CUDA where cuBLASLt runs the operands' format
-  family (MX or block FP8), ``"emulate"`` everywhere else (the CPU included, so a CPU-placed
+  family (MX, block FP8 or FP4), ``"emulate"`` everywhere else (the CPU included, so a CPU-placed
   computation on a GPU host is emulated).
 
 Example:
@@ -13,7 +14,7 @@ Example:
     >>> per_platform("emulate", ("mxfp8_e4m3",))
     {'default': 'emulate'}
     >>> sorted(jaxmx.backends())
-    ['cublaslt', 'cublaslt-block-fp8', 'emulate', 'ffi-cpu', 'native-recipes']
+    ['cublaslt', 'cublaslt-block-fp8', 'cublaslt-fp4', 'emulate', 'ffi-cpu', 'native-recipes']
 """
 
 from __future__ import annotations
@@ -36,14 +37,21 @@ BLOCK_FP8_FORMATS = ("fp8_e4m3_block", "fp8_e5m2_block")
 """The formats the native block-FP8 GEMM takes (1x128 blocks or 128x128 tiles, float32 scales),
 in any pair but E5M2 x E5M2."""
 
+FP4_FORMATS = ("mxfp4", "nvfp4")
+"""The formats the native FP4 GEMM takes: both operands MXFP4 or both NVFP4 (E2M1 codes; E8M0
+scales per 32 or E4M3 scales per 16 and a float32 tensor scale)."""
+
 _E5M2 = ("mxfp8_e5m2", "fp8_e5m2_block")
 
 
 def native_family(formats: tuple[str, ...]) -> str | None:
-    """``"mx"`` or ``"block_fp8"``: the native GEMM that takes operands of these formats, or None
-    (formats of no native GEMM or of two, or E5M2 x E5M2, which cuBLASLt has no kernel for)."""
+    """``"mx"``, ``"block_fp8"`` or ``"fp4"``: the native GEMM that takes operands of these
+    formats, or None (formats of no native GEMM or of two, E5M2 x E5M2, which cuBLASLt has no
+    kernel for, or MXFP4 with NVFP4)."""
     if not formats or all(f in _E5M2 for f in formats):
         return None
+    if all(f in FP4_FORMATS for f in formats):
+        return "fp4" if len(set(formats)) == 1 else None
     for family, members in (("mx", NATIVE_FORMATS), ("block_fp8", BLOCK_FP8_FORMATS)):
         if all(f in members for f in formats):
             return family
@@ -51,12 +59,12 @@ def native_family(formats: tuple[str, ...]) -> str | None:
 
 
 def native_pair(formats: tuple[str, ...]) -> bool:
-    """Whether a native GEMM (MX or block FP8) takes operands of these formats."""
+    """Whether a native GEMM (MX, block FP8 or FP4) takes operands of these formats."""
     return native_family(formats) is not None
 
 
 _MX_COMPUTE_CAPABILITY = (10, 0)
-_MIN_CUBLASLT = 120800  # MX block scaling (VEC32_UE8M0) arrived in cuBLASLt 12.8
+_MIN_CUBLASLT = 120800  # MX and FP4 block scaling (VEC32_UE8M0, VEC16_UE4M3): cuBLASLt 12.8
 _BLOCK_FP8_MAJOR = 9  # VEC128_32F / BLK128x128_32F: Hopper
 _MIN_CUBLASLT_BLOCK_FP8 = 120900
 
@@ -84,6 +92,8 @@ def per_platform(backend: str, formats: tuple[str, ...]) -> dict[str, str]:
 
 
 def _family_supported(family: str) -> bool:
+    if family == "fp4":
+        return fp4_supported()
     return cublaslt_supported() if family == "mx" else block_fp8_supported()
 
 
@@ -92,8 +102,9 @@ def backends() -> dict[str, str]:
 
     Keys: ``"emulate"`` (pure JAX, always there), ``"ffi-cpu"`` (the C++ CPU handlers),
     ``"cublaslt"`` (the native MX GEMM on the default CUDA device), ``"cublaslt-block-fp8"``
-    (the native block-FP8 GEMM there) and ``"native-recipes"``: the built-in recipes whose GEMMs
-    ``backend="auto"`` runs natively on that device, or ``"none (...)"``.
+    (the native block-FP8 GEMM there), ``"cublaslt-fp4"`` (the native NVFP4 / MXFP4 GEMM there)
+    and ``"native-recipes"``: the built-in recipes whose GEMMs ``backend="auto"`` runs natively
+    on that device, or ``"none (...)"``.
 
     Example:
         >>> import jaxmx
@@ -105,6 +116,7 @@ def backends() -> dict[str, str]:
         "ffi-cpu": extension.cpu_status(),
         "cublaslt": _cublaslt_status(),
         "cublaslt-block-fp8": _block_fp8_status(),
+        "cublaslt-fp4": _fp4_status(),
         "native-recipes": _native_recipes(),
     }
 
@@ -150,17 +162,34 @@ def block_fp8_supported() -> bool:
     return _block_fp8_status() == "available"
 
 
+def fp4_supported() -> bool:
+    """Whether the native FP4 GEMM (NVFP4, MXFP4) runs on cuBLASLt here (``backend="auto"`` on
+    CUDA)."""
+    return _fp4_status() == "available"
+
+
 @functools.cache
 def _cublaslt_status() -> str:
+    return _blackwell_status("MX block scaling")
+
+
+@functools.cache
+def _fp4_status() -> str:
+    return _blackwell_status("FP4 block scaling (NVFP4 / MXFP4)")
+
+
+def _blackwell_status(what: str) -> str:
+    """``"available"`` where the default CUDA device has compute capability >= 10.0 and
+    cuBLASLt >= 12.8 is loaded (MXFP8 and FP4 block scaling), else why not."""
     cc, reason = _device_capability()
     if cc is None:
         return reason
     if cc < _MX_COMPUTE_CAPABILITY:
         return (
-            f"device has compute capability {cc[0]}.{cc[1]}; MX block scaling needs >= "
+            f"device has compute capability {cc[0]}.{cc[1]}; {what} needs >= "
             f"{_MX_COMPUTE_CAPABILITY[0]}.{_MX_COMPUTE_CAPABILITY[1]}"
         )
-    return _cublaslt_version_status(_MIN_CUBLASLT, "MX block scaling")
+    return _cublaslt_version_status(_MIN_CUBLASLT, what)
 
 
 @functools.cache

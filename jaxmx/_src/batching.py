@@ -21,21 +21,21 @@ import jax.numpy as jnp
 
 
 def vmappable(impl: Callable, fold) -> Callable:
-    """``impl(lhs, rhs, lhs_scale, rhs_scale)`` (equal leading batch dims) made vmappable.
+    """``impl(lhs, rhs, lhs_scale, rhs_scale, *rest)`` (equal leading batch dims) made vmappable.
 
     Under ``vmap`` the batch becomes a leading dim of one call (one custom call and workspace for
-    the native GEMM), not a loop: when only the lhs (and, for ``fold``'s pattern, its scales) is
-    batched and the rhs has no batch dims, the batch is folded into M (one bigger GEMM);
-    otherwise unbatched operands are broadcast. (``custom_partitioning`` has no batching rule of
-    its own, so the partitioned GEMM is wrapped in this.)
+    the native GEMM), not a loop: when exactly the arguments ``fold`` marks (one flag per
+    argument, e.g. the lhs and its scales) are batched and the rhs has no batch dims, the batch
+    is folded into M (one bigger GEMM); otherwise unbatched operands are broadcast.
+    (``custom_partitioning`` has no batching rule of its own, so the partitioned GEMM is wrapped
+    in this.)
     """
     f = jax.custom_batching.custom_vmap(impl)
 
     @f.def_vmap
-    def rule(axis_size, in_batched, lhs, rhs, lhs_scale, rhs_scale):
-        args = (lhs, rhs, lhs_scale, rhs_scale)
-        if tuple(in_batched) == fold and rhs.ndim == 2:
-            m = lhs.shape[1]
+    def rule(axis_size, in_batched, *args):
+        if tuple(in_batched) == fold and args[1].ndim == 2:
+            m = args[0].shape[1]
             flat = [
                 x.reshape(axis_size * m, *x.shape[2:]) if b else x
                 for x, b in zip(args, fold, strict=True)

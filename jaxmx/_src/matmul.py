@@ -21,7 +21,7 @@ from jax import lax
 from jaxmx._src import native
 from jaxmx._src.accumulation import Accumulation, limited_matmul
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.backends import BLOCK_FP8_FORMATS, per_platform
+from jaxmx._src.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, per_platform
 from jaxmx._src.dequantized import dequantized_matmul
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
@@ -47,7 +47,8 @@ def matmul(
         backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs the
             operands' format family natively, MX or block FP8, else the emulation),
             ``"emulate"`` (any device) or ``"ffi"`` (the native custom call:
-            :func:`jaxmx.ffi.mx_matmul` or :func:`jaxmx.ffi.block_fp8_matmul`).
+            :func:`jaxmx.ffi.mx_matmul`, :func:`jaxmx.ffi.block_fp8_matmul` or
+            :func:`jaxmx.ffi.fp4_matmul`).
         accum_bits, promote_every: a modelled limited-precision accumulator (the emulation only,
             as :attr:`jaxmx.Recipe.accum_bits`); ``None``: float32 accumulation.
 
@@ -104,6 +105,8 @@ def _untileable(q: MXArray) -> bool:
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     if a.fmt in BLOCK_FP8_FORMATS or b.fmt in BLOCK_FP8_FORMATS:
         return native.block_fp8_matmul(_tn(a), _tn(b), out_dtype)
+    if a.fmt in FP4_FORMATS or b.fmt in FP4_FORMATS:
+        return native.fp4_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
     return native.mx_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
 
 

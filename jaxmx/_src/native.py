@@ -1,6 +1,6 @@
 """The native GEMMs: XLA FFI custom calls into the ``jaxmx._ffi`` extension.
 
-Three custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
+Four custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
 (built when the CUDA headers were found, see docs/native.md):
 
 - ``jaxmx_mx_matmul``: MXFP8 operands (E4M3 / E5M2 codes, one E8M0 scale per 32 elements along
@@ -11,11 +11,16 @@ Three custom-call targets, each with a CPU handler (plain C++, always built) and
 - ``jaxmx_block_fp8_matmul``: block-FP8 operands (``fp8_e4m3_block`` / ``fp8_e5m2_block``: one
   float32 scale per 1x128 block along K, or per 128x128 tile for one of the operands); cuBLASLt
   ``VEC128_32F`` / ``BLK128x128_32F`` scaling, compute capability 9.x and CUDA >= 12.9.
+- ``jaxmx_fp4_matmul``: FP4 operands, both MXFP4 (E8M0 scales per 32) or both NVFP4 (E4M3
+  scales per 16 and a float32 tensor scale each, applied as ``alpha``), E2M1 codes packed two
+  per byte; cuBLASLt ``VEC32_UE8M0`` / ``VEC16_UE4M3`` scaling on ``CUDA_R_4F_E2M1``, compute
+  capability >= 10.0 and CUDA >= 12.8.
 
 All take TN operands, ``a`` [..., M, K] and ``b`` [..., N, K], and return
 ``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. All are
 jitted (one compiled call per shape when called eagerly) and vmappable; the MX and block-FP8
-GEMMs are partitioned under SPMD by :mod:`jaxmx._src.partitioning`.
+GEMMs are partitioned under SPMD by :mod:`jaxmx._src.partitioning` (the per-tensor FP8 and the
+FP4 GEMMs are not: XLA gathers their operands).
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -38,7 +43,7 @@ from jax.interpreters import mlir
 
 from jaxmx._src import bits, extension
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
-from jaxmx._src.backends import BLOCK_FP8_FORMATS, NATIVE_FORMATS, native_pair
+from jaxmx._src.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, NATIVE_FORMATS, native_pair
 from jaxmx._src.batching import vmappable
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import FORMATS
@@ -50,6 +55,7 @@ from jaxmx._src.vma import vary_like
 MX_TARGET = "jaxmx_mx_matmul"
 FP8_TARGET = "jaxmx_fp8_matmul"
 BLOCK_FP8_TARGET = "jaxmx_block_fp8_matmul"
+FP4_TARGET = "jaxmx_fp4_matmul"
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
 """cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only), plus
@@ -285,6 +291,118 @@ def _block_operand(data, scale, tiled: bool, row_multiple: int):
         return data, jnp.pad(scale[..., ::BLOCK_TILE, :], pad)
     pad = [(0, 0)] * (data.ndim - 2) + [(0, -data.shape[-2] % row_multiple), (0, 0)]
     return jnp.pad(data, pad), jnp.pad(scale, pad).swapaxes(-1, -2)
+
+
+# --- FP4 GEMM (NVFP4, MXFP4) -------------------------------------------------------------------
+
+FP4_K_MULTIPLE = 32
+"""FP4 operands go to the custom call with K padded (zero codes) to a multiple of 32: cuBLASLt
+wants 16-byte aligned rows (leading dimensions) of packed E2M1 codes, i.e. 32 elements."""
+
+
+def fp4_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
+    """``a @ b^T`` for FP4 operands in TN form (both MXFP4 or both NVFP4), natively.
+
+    Args:
+        a: [..., M, K] quantized along its last axis (``mxfp4`` or ``nvfp4``), in 1-D blocks or
+            tiles as wide as the block.
+        b: [..., N, K] likewise, same format, leading (batch) dims and K.
+        out_dtype: bfloat16 (default), float16 or float32.
+
+    Returns:
+        [..., M, N] in ``out_dtype``: ``float32(alpha * acc)`` rounded to ``out_dtype``, where
+        ``acc`` sums the exact products ``(code_a * s_a) * (code_b * s_b)`` over K in float32
+        (exact within each block, blocks added in order by the CPU handler) and ``alpha`` is
+        ``float32(g_a * g_b)``, the product of the NVFP4 tensor scales (one per batch element
+        under ``vmap``), or 1 for MXFP4. A NaN block scale gives NaN where its block reaches.
+        The E2M1 codes are packed two per byte (element ``2i`` in the low nibble), K is padded
+        with zero codes to a multiple of 32 and the scales are swizzled to the cuBLAS 128x4
+        layout right before the call. Works under ``jit`` and ``vmap``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> from jaxmx import ffi
+        >>> a = jaxmx.quantize(jnp.full((2, 16), 10.5), "nvfp4")  # g = 2^-8: values exact
+        >>> b = jaxmx.quantize(jnp.full((3, 16), -5.25), "nvfp4")  # g = 2^-9
+        >>> ffi.fp4_matmul(a, b, jnp.float32).tolist()
+        [[-882.0, -882.0, -882.0], [-882.0, -882.0, -882.0]]
+    """
+    a = _check_tn_operand(a, "a", "fp4_matmul", FP4_FORMATS)
+    b = _check_tn_operand(b, "b", "fp4_matmul", FP4_FORMATS)
+    if a.fmt != b.fmt:
+        raise NotImplementedError(
+            f"fp4_matmul: a is {a.fmt} and b is {b.fmt}; the native FP4 GEMM takes two MXFP4 or "
+            "two NVFP4 operands (cuBLASLt scales both with one mode); quantize both in one "
+            "format, or use the emulation backend"
+        )
+    check_gemm_pair(a, b, "fp4_matmul")
+    out_dtype = check_float_dtype(out_dtype, "fp4_matmul: out_dtype")
+    extension.register_targets()
+    a, b = untiled(a), untiled(b)
+    nvfp4 = a.format.has_global_scale
+    batch = a.data.shape[:-2]
+    return _fp4_call(out_dtype, nvfp4)(
+        _packed_codes(a),
+        _packed_codes(b),
+        _fp4_scales(a),
+        _fp4_scales(b),
+        _tensor_scale(a, batch),
+        _tensor_scale(b, batch),
+    )
+
+
+def _packed_codes(q: MXArray) -> jax.Array:
+    """uint8 [..., rows, Kp / 2]: the E2M1 codes of ``q`` with the padding of K zeroed (whatever
+    a hand-built one holds), K padded to ``Kp``, a multiple of :data:`FP4_K_MULTIPLE`, and two
+    codes per byte: element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
+
+    That is CUDA's ``__nv_fp4x2`` storage, which cuBLASLt reads for ``CUDA_R_4F_E2M1``
+    (cuda_fp4.hpp, ``__nv_cvt_double2_to_fp4x2``: ``.x`` in bits 0-3, ``.y`` in bits 4-7; the
+    CUDALibrarySamples cuBLASLt LtNvfp4Matmul sample passes such arrays as A and B).
+    """
+    nibbles = lax.bitcast_convert_type(q.data, jnp.uint4).astype(jnp.uint8)
+    index = lax.broadcasted_iota(jnp.int32, nibbles.shape, nibbles.ndim - 1)
+    nibbles = jnp.where(index < q.shape[-1], nibbles, jnp.uint8(0))
+    pad = -nibbles.shape[-1] % FP4_K_MULTIPLE
+    nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, pad)])
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _fp4_scales(q: MXArray) -> jax.Array:
+    """uint8 [..., rows, Kp / block]: the compact scale bytes, K padded like the codes (the
+    extra blocks get byte 0; their codes are zero)."""
+    scale = bits.as_bytes(q.scale, "scales", (jnp.dtype(jnp.uint8), q.format.scale_dtype))
+    pad = -q.data.shape[-1] % FP4_K_MULTIPLE // q.format.block
+    return jnp.pad(scale, [(0, 0)] * (scale.ndim - 1) + [(0, pad)])
+
+
+def _tensor_scale(q: MXArray, batch: tuple[int, ...]) -> jax.Array:
+    """float32 [*batch]: ``q``'s NVFP4 tensor scale (shaped like the leading dims it varies
+    over, e.g. under ``vmap``) over the operand's batch dims, or ones for MXFP4."""
+    if q.global_scale is None:
+        return jnp.ones(batch, jnp.float32)
+    g = q.global_scale
+    return jnp.broadcast_to(g.reshape(g.shape + (1,) * (len(batch) - g.ndim)), batch)
+
+
+@functools.cache
+def _fp4_call(out_dtype, nvfp4: bool):
+    """The FP4 custom call on (a, b, compact scale bytes, tensor scales): rhs rows padded, scales
+    swizzled, ``alpha_beta = (float32(g_a * g_b), 0)`` per GEMM (cuBLASLt reads both from
+    device memory)."""
+
+    def prepare(n_multiple, a, b, a_scale, b_scale, a_g, b_g):
+        b, b_scale, n = _pad_rows(b, b_scale, n_multiple)
+        alpha = a_g * b_g
+        alpha_beta = jnp.stack([alpha, jnp.zeros_like(alpha)], axis=-1)
+        return (a, b, swizzle_scales(a_scale), swizzle_scales(b_scale), alpha_beta), n
+
+    def impl(*args):
+        return _custom_call(
+            FP4_TARGET, "fp4_matmul", out_dtype, prepare, *args, attributes={"nvfp4": nvfp4}
+        )
+
+    return jax.jit(vmappable(impl, fold=(True, False, True, False, False, False)))
 
 
 # --- per-tensor FP8 GEMM --------------------------------------------------------------------

@@ -309,7 +309,7 @@ def test_the_cpu_handler_equals_the_emulation(fmt):
     def on_grid(shape):  # every block's maximum 6: scales fixed, codes = values (x 2^k)
         x = rng.choice(grid, shape) * rng.choice([-1, 1], shape)
         x[..., ::16] = 6.0
-        return (x * 2.0 ** rng.integers(-3, 4, shape[:-1] + (1,))).astype(np.float32)
+        return (x * 2.0 ** rng.integers(-3, 4, (*shape[:-1], 1))).astype(np.float32)
 
     a, b = on_grid((2, 24, 96)), on_grid((2, 40, 96))
     qa, qb = jaxmx.quantize(a, fmt), jaxmx.quantize(b, fmt)

@@ -180,3 +180,56 @@ def swizzle(s: np.ndarray) -> np.ndarray:
 def unswizzle(buf: np.ndarray, rows: int, cols: int) -> np.ndarray:
     r, c = np.indices((rows, cols))
     return np.asarray(buf)[..., swizzle_offset(r, c, cols)]
+
+
+# --- NVFP4 ------------------------------------------------------------------------------------
+
+F32 = np.float32
+FLOAT32_MAX = F32(np.finfo(np.float32).max)
+
+
+def nvfp4(x, axis=-1, tile=None, global_scale=None):
+    """NVFP4 ``(codes [padded shape], E4M3 scales, g, decoded values [padded shape])``: the
+    formulas of docs/quantization.md in numpy float32 (subnormals kept), casts by ml_dtypes."""
+    x = np.asarray(x).astype(np.float32)
+    with np.errstate(all="ignore"):
+        if global_scale is None:
+            amax = np.max(np.abs(x))
+            g = max(F32(amax) / F32(448 * 6), F32(2.0**-126))
+            g = F32(np.nan) if not np.isfinite(amax) else g
+        else:
+            g = max(F32(global_scale), F32(2.0**-126))
+        if tile is None:
+            moved = np.moveaxis(x, axis, -1)
+            pad = -moved.shape[-1] % 16
+            moved = np.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, pad)])
+            blocks = moved.reshape(*moved.shape[:-1], -1, 16)
+        else:
+            r, c = tile
+            pads = [(0, 0)] * (x.ndim - 2) + [(0, -x.shape[-2] % r), (0, -x.shape[-1] % c)]
+            padded = np.pad(x, pads)
+            R, C = padded.shape[-2:]
+            t = padded.reshape(*padded.shape[:-2], R // r, r, C // c, c)
+            blocks = np.moveaxis(t, -3, -2).reshape(*padded.shape[:-2], R // r, C // c, r * c)
+        block_amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+        b = (block_amax / F32(6)) / g
+        s = np.clip(b, F32(2.0**-6), F32(448)).astype(ml_dtypes.float8_e4m3fn)
+        bad = ~np.isfinite(block_amax) | np.isnan(g)
+        s = np.where(bad, np.float32(np.nan), s.astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+        sf = s.astype(np.float32)
+        r_ = np.minimum((F32(1) / g) / sf, FLOAT32_MAX)
+        codes = np.clip(blocks * r_, F32(-6), F32(6)).astype(ml_dtypes.float4_e2m1fn)
+        codes = np.where(np.isnan(sf), F32(0), codes.astype(np.float32))
+        values = (codes * sf) * g
+    scales = s[..., 0] if tile else np.moveaxis(s[..., 0], -1, axis)
+
+    def back(a):  # blocked layout -> padded data layout
+        if tile is None:
+            a = a.reshape(*a.shape[:-2], -1)
+            return np.moveaxis(a, -1, axis)
+        r, c = tile
+        lead, (nr, nc) = a.shape[:-3], a.shape[-3:-1]
+        a = a.reshape(*lead, nr, nc, r, c)
+        return np.moveaxis(a, -2, -3).reshape(*lead, nr * r, nc * c)
+
+    return back(codes).astype(ml_dtypes.float4_e2m1fn), scales, g, back(values)

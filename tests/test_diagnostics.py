@@ -77,6 +77,57 @@ def test_block_stats_equal_the_definitions(fmt, mode, axis):
     np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
 
 
+def reference_nvfp4_stats(x: np.ndarray) -> dict:
+    """NVFP4 block statistics along the last axis from the definitions: the elements scaled by
+    ``r = (1 / g) / s`` in numpy float32, decoded values from the NVFP4 reference."""
+    codes, scale, g, decoded = ref.nvfp4(x)
+    s = scale.astype(np.float32)
+    n = x.shape[-1]
+    out = {k: np.zeros(s.shape) for k in ("amax", "span", "under", "flushed", "sat", "sqnr")}
+    effective = np.frexp(s.astype(np.float64) * np.float64(g))[1] - 1  # binade of s * g
+    out["scale_exp"] = np.where(np.isnan(s), 128, effective)
+    for idx in np.ndindex(s.shape):
+        lo, hi = idx[-1] * 16, min(idx[-1] * 16 + 16, n)
+        v, d = x[idx[:-1]][lo:hi], decoded[idx[:-1]][lo:hi].astype(np.float64)
+        amax = np.max(np.abs(v))
+        out["amax"][idx] = amax
+        if np.isnan(s[idx]):
+            for k in ("span", "under", "flushed", "sat", "sqnr"):
+                out[k][idx] = np.nan
+            continue
+        r = np.minimum((np.float32(1) / g) / s[idx], ref.FLOAT32_MAX)
+        scaled = np.abs(v * r)  # float32, as the quantizer computes it
+        v = v.astype(np.float64)
+        std = np.std(v)
+        out["span"][idx] = 0.0 if amax == 0 else (np.inf if std == 0 else amax / std)
+        nz = v != 0
+        for key, hit in (("under", scaled < 1), ("flushed", d == 0), ("sat", scaled > 6)):
+            out[key][idx] = np.sum(nz & hit) / np.sum(nz) if nz.any() else 0.0
+        noise = np.sum((v - d) ** 2)
+        out["sqnr"][idx] = np.inf if noise == 0 else 10 * np.log10(np.sum(v**2) / noise)
+    return out
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-130])
+def test_nvfp4_block_stats_equal_the_definitions(scale):
+    x = np.delete(adversarial(), 4, axis=0)  # no NaN row: it would make the tensor scale NaN
+    x = (x.astype(np.float64) * scale).astype(np.float32)  # 2^-130: subnormal elements
+    got = jax.jit(jaxmx.diagnostics.block_stats, static_argnums=1)(jnp.asarray(x), "nvfp4")
+    want = reference_nvfp4_stats(x)
+    np.testing.assert_array_equal(got.scale_exp, want["scale_exp"])
+    np.testing.assert_array_equal(got.amax, want["amax"].astype(np.float32))
+    for name, key in (("underflow", "under"), ("flushed", "flushed"), ("saturated", "sat")):
+        np.testing.assert_allclose(getattr(got, name), want[key], rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got.span_ratio, want["span"], rtol=1e-4)
+    np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
+    assert float(np.nanmax(got.saturated)) > 0  # E4M3-rounded block scales can saturate
+
+
+def test_nvfp4_nan_tensor_makes_every_block_nonfinite():
+    s = jaxmx.diagnostics.block_stats(jnp.asarray(adversarial()), "nvfp4")
+    assert (np.asarray(s.scale_exp) == 128).all() and np.isnan(np.asarray(s.underflow)).all()
+
+
 def test_the_statistics_see_what_they_should():
     s = jaxmx.diagnostics.block_stats(jnp.asarray(adversarial()))
     assert float(s.span_ratio[0, 2]) == np.inf  # the constant block
@@ -103,6 +154,10 @@ def test_summary():
 def test_bad_input():
     with pytest.raises(ValueError, match="unknown MX format"):
         jaxmx.diagnostics.block_stats(jnp.ones(32), "mxfp6")
+    with pytest.raises(ValueError, match="covers the MX formats .* and NVFP4, not fp8_e4m3"):
+        jaxmx.diagnostics.block_stats(jnp.ones(32), "fp8_e4m3_block")
+    with pytest.raises(ValueError, match="unknown scale_mode 'rceil' for nvfp4"):
+        jaxmx.diagnostics.block_stats(jnp.ones(32), "nvfp4", scale_mode="rceil")
     with pytest.raises(TypeError, match="block_stats: x"):
         jaxmx.diagnostics.block_stats(jnp.ones(32, jnp.int32))
 

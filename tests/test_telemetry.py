@@ -83,6 +83,33 @@ def gradient_with(fn):
     return identity
 
 
+def test_nvfp4_legs_and_the_wgrad_copy_after_the_hadamard_transform():
+    """With the NVFP4 recipe the legs are NVFP4 block statistics, and the wgrad leg describes
+    the copy the GEMM quantizes: the gradient after the recipe's RHT along M."""
+    recipe = jaxmx.recipes.NVFP4.replace(grad_rounding="nearest")
+    x = jax.random.normal(jax.random.key(1), (48, 64))
+    w = jax.random.normal(jax.random.key(2), (64, 32)) / 8
+    g = jax.random.normal(jax.random.key(3), (48, 32)).at[5].multiply(300.0)  # an outlier row
+
+    def loss(w, taps):
+        with diagnostics.telemetry(taps) as record:
+            y = jaxmx.dot_general(x, w, DIMS, recipe=recipe)
+        return jnp.sum(y * g), record.forward
+
+    taps = diagnostics.gemm_taps(loss, w)
+    (_, forward), (_, tap_grads) = jax.value_and_grad(loss, (0, 1), has_aux=True)(w, taps)
+    legs = diagnostics.telemetry_report(forward, tap_grads)["dot_general"]
+    x_stats = diagnostics.block_stats(x, "nvfp4")
+    assert float(legs.lhs.underflow_max) == float(np.nanmax(x_stats.underflow))
+    rotated = jaxmx.rht(g[None], 1, jax.random.key(recipe.rht_seed))
+    for copy, leg in ((rotated, legs.wgrad), (g[None], legs.dgrad)):
+        axis = 1 if leg is legs.wgrad else 2
+        stats = diagnostics.block_stats(copy, "nvfp4", axis=axis)
+        np.testing.assert_allclose(leg.sqnr_db_min, np.nanmin(stats.sqnr_db), rtol=1e-6)
+    plain = diagnostics.block_stats(g[None], "nvfp4", axis=1)
+    assert float(legs.wgrad.sqnr_db_min) != float(np.nanmin(plain.sqnr_db))
+
+
 def test_the_report_names_every_gemm_in_program_order():
     params, x = make_params()
     report = run_step(params, x)
@@ -230,5 +257,5 @@ def test_misuse_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="inside a transformation"):
         jax.grad(remat_inside)(params[0], x)
 
-    with diagnostics.telemetry(), pytest.raises(ValueError, match="covers MX recipes"):
+    with diagnostics.telemetry(), pytest.raises(ValueError, match="covers MX and NVFP4 recipes"):
         jaxmx.dot_general(x, params[0], DIMS, recipe=jaxmx.recipes.DEEPSEEK_FP8)

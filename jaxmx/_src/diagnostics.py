@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmx._src import bits
+from jaxmx._src import bits, nvfp4
 from jaxmx._src.dtypes import as_float_array
 from jaxmx._src.formats import check_scale_mode, get_format
 from jaxmx._src.matmul import matmul
@@ -28,6 +28,7 @@ from jaxmx._src.quantize import (
     normalize_axis,
     quantize,
     scale_exponent_bytes,
+    scaled_blocks,
 )
 
 
@@ -36,12 +37,15 @@ from jaxmx._src.quantize import (
 class BlockStats:
     """Statistics of each quantization block (arrays shaped like ``quantize(x, ...).scale``).
 
-    Only a block's real elements count (never the zero padding of a partial last block).
+    Only a block's real elements count (never the zero padding of a partial last block). For
+    NVFP4, ``2^e`` below stands for the block's scale ``s * g`` (E4M3 block scale times tensor
+    scale), and ``|x| / 2^e`` for ``x * r``, the value the quantizer rounds.
 
     Attributes:
         amax: the largest magnitude (float32; NaN or inf in a block holding one).
-        scale_exp: the E8M0 exponent ``e`` of the block's scale ``2^e`` (int32; 128 marks the
-            NaN scale of a block holding NaN or inf).
+        scale_exp: the E8M0 exponent ``e`` of the block's scale ``2^e``; for NVFP4 the exponent
+            of ``s * g`` (its binade). int32; 128 marks the NaN scale of a block holding NaN or
+            inf (for NVFP4 also every block of a tensor holding one).
         span_ratio: ``amax / std`` (population standard deviation of the block's elements);
             ``inf`` when the std is 0 and ``amax > 0``, 0 for an all-zero block.
         underflow: the fraction of the block's non-zero elements ``x`` with ``|x| / 2^e`` below
@@ -116,7 +120,7 @@ class BlockStats:
 
 
 def block_stats(
-    x: jax.Array, fmt: str = "mxfp8_e4m3", axis: int = -1, scale_mode: str = "rceil"
+    x: jax.Array, fmt: str = "mxfp8_e4m3", axis: int = -1, scale_mode: str | None = None
 ) -> BlockStats:
     """Statistics of each block of ``quantize(x, fmt, axis, scale_mode)`` (see :class:`BlockStats`).
 
@@ -125,12 +129,12 @@ def block_stats(
     bits, so subnormal inputs are classified exactly on every platform.
     """
     f = get_format(fmt)
-    if not f.is_mx:
+    if not (f.is_mx or f.has_global_scale):
         raise ValueError(
-            f"block_stats covers the MX formats (E8M0 scales), not {f.name}; see "
+            f"block_stats covers the MX formats (E8M0 scales) and NVFP4, not {f.name}; see "
             "docs/diagnostics.md"
         )
-    check_scale_mode(scale_mode, f)
+    scale_mode = check_scale_mode(scale_mode, f)
     x = as_float_array(x, "block_stats: x")
     if x.ndim == 0:
         raise ValueError("block_stats expects an array of rank >= 1, got a scalar")
@@ -140,26 +144,44 @@ def block_stats(
     index = jnp.arange(xb.shape[1] * f.block).reshape(1, xb.shape[1], f.block, 1)
     valid = index < x.shape[axis]
     count = jnp.sum(valid, axis=2)  # elements per block: f.block, or fewer in the last
-    byte = scale_exponent_bytes(q.scale).reshape(xb.shape[0], xb.shape[1], 1, xb.shape[3])
-    is_nan_scale = byte == bits.E8M0_NAN
-    scale_exp = jnp.where(is_nan_scale, 128, byte - bits.EXPONENT_BIAS)
-
+    block_shape = (xb.shape[0], xb.shape[1], 1, xb.shape[3])
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
     amax_bits = jnp.max(magnitude_bits, axis=2)  # padding (zero) is never the maximum
     amax, all_zero = bits.from_bits(amax_bits), ~_bits_less(jnp.zeros_like(amax_bits), amax_bits)
-    # Ratios are scale-free: compute them on the block divided by its scale (exact), whose values
-    # are at most elem_max, so no float32 arithmetic meets a subnormal block (XLA:CPU flushes).
-    scaled = bits.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))
-    codes = decode_elements(q.data, f).reshape(xb.shape)  # the block's values / 2^e, exactly
+    # Ratios are scale-free: compute them on the block divided by a power of two near its
+    # scale (exactly), whose values are at most about elem_max, so no float32 arithmetic meets a
+    # subnormal block (XLA:CPU flushes). ``scaled`` and ``codes``: the block and its quantized
+    # values in those units.
+    codes = decode_elements(q.data, f).reshape(xb.shape)
+    if f.has_global_scale:
+        s = bits.decode_fp8(bits.as_bytes(q.scale), 3, -6, False).reshape(block_shape)
+        g = q.global_scale
+        is_nan_scale = jnp.isnan(s)
+        effective = bits.multiply_exact(s, g)  # the block's scale s * g
+        scale_exp = ((bits.to_bits(effective) >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
+        scale_exp = jnp.where(is_nan_scale, 128, scale_exp)
+        magnitude = jnp.abs(nvfp4.scaled_elements(xb, s, g))  # what the quantizer rounds
+        below_normal, above_largest = magnitude < 2.0**f.emin, magnitude > f.elem_max
+        # units: 2^k, the block's own power-of-two (MXFP4 rceil) scale
+        byte, scaled = scaled_blocks(xb, get_format("mxfp4"), "rceil", None)
+        k = jnp.minimum(byte - bits.EXPONENT_BIAS, 126)  # in [-127, 126]; NaN blocks masked
+        codes = bits.scale_by_pow2(bits.multiply_exact(codes * s, g), -k)  # dequantized / 2^k
+    else:
+        byte = scale_exponent_bytes(q.scale).reshape(block_shape)
+        is_nan_scale = byte == bits.E8M0_NAN
+        scale_exp = jnp.where(is_nan_scale, 128, byte - bits.EXPONENT_BIAS)
+        scaled = bits.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))  # exact
+        # thresholds on the scaled value |x| / 2^e, moved to x's scale and compared as bits
+        smallest_normal = bits.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
+        largest = bits.ldexp_exact(jnp.float32(f.elem_max), scale_exp)
+        below_normal = _bits_less(magnitude_bits, bits.to_bits(smallest_normal))
+        above_largest = _bits_less(bits.to_bits(largest), magnitude_bits)
     mean = jnp.sum(scaled, axis=2, keepdims=True) / count[:, :, None]
     variance = jnp.sum(jnp.where(valid, (scaled - mean) ** 2, 0.0), axis=2) / count
     std = jnp.sqrt(variance)
     amax_scaled = jnp.max(jnp.abs(scaled), axis=2)
     span = jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax_scaled / std))
 
-    # thresholds on the scaled value |x| / 2^e, moved to x's scale and compared as bits
-    smallest_normal = bits.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
-    largest = bits.ldexp_exact(jnp.float32(f.elem_max), scale_exp)
     nonzero = valid & _bits_less(jnp.zeros_like(magnitude_bits), magnitude_bits)
     n_nonzero = jnp.sum(nonzero, axis=2)
 
@@ -167,8 +189,8 @@ def block_stats(
         hits = jnp.sum(nonzero & condition, axis=2)
         return jnp.where(n_nonzero > 0, hits / jnp.maximum(n_nonzero, 1), 0.0)
 
-    underflow = fraction(_bits_less(magnitude_bits, bits.to_bits(smallest_normal)))
-    saturated = fraction(_bits_less(bits.to_bits(largest), magnitude_bits))
+    underflow = fraction(below_normal)
+    saturated = fraction(above_largest)
     flushed = fraction(codes == 0)
     signal = jnp.sum(scaled**2, axis=2)
     noise = jnp.sum(jnp.where(valid, (scaled - codes) ** 2, 0.0), axis=2)

@@ -77,14 +77,21 @@ def quantize_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values)
     s = jnp.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
     scale_codes = bits.encode_fp8(s, mbits=3, emin=-6)
     s = bits.decode_fp8(scale_codes, mbits=3, emin=-6, ieee_specials=False)
-    r = jnp.minimum((1.0 / g) / s, _FLOAT32_MAX)
-    # x * r; where r >= 2^64, as (x * 2^64) * (r * 2^-64) so that a subnormal x is not flushed
-    boost = jnp.where(r >= 2.0**_BOOST, _BOOST, 0)
-    scaled = bits.scale_by_pow2(xb, boost) * (r * bits.pow2(-boost))
+    scaled = scaled_elements(xb, s, g)
     values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
     codes = jnp.where(jnp.isnan(s), 0.0, values).astype(f.dtype)
     scale = lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
     return codes, scale, g
+
+
+def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:
+    """``x * r`` with ``r = min((1 / g) / s, float32 max)``: the elements of blocks ``xb`` in
+    units of their block's scale, before rounding and clipping (float32 block scales ``s``
+    broadcast against ``xb``)."""
+    r = jnp.minimum((1.0 / g) / s, _FLOAT32_MAX)
+    # where r >= 2^64, as (x * 2^64) * (r * 2^-64) so that a subnormal x is not flushed
+    boost = jnp.where(r >= 2.0**_BOOST, _BOOST, 0)
+    return bits.scale_by_pow2(xb, boost) * (r * bits.pow2(-boost))
 
 
 def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmx._src.diagnostics import block_stats
+from jaxmx._src.hadamard import rht
 from jaxmx._src.formats import get_format
 
 
@@ -212,9 +213,10 @@ def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
             "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave it; "
             "enter the block inside that transformation, or call the GEMM outside it"
         )
-    if not all(get_format(f).is_mx for f in (recipe.fwd, recipe.grad)):
+    formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
+    if not all(f.is_mx or f.has_global_scale for f in formats):
         raise ValueError(
-            f"jaxmx.diagnostics.telemetry covers MX recipes; this GEMM's formats are "
+            f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats are "
             f"{recipe.fwd} / {recipe.grad}"
         )
     name = record._unique("/".join(_names) or "dot_general")
@@ -233,7 +235,8 @@ def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
             f"jaxmx.diagnostics.telemetry: no tap for GEMM {name!r}; build the taps with "
             f"gemm_taps() from the same function (they name {sorted(record.taps)})"
         )
-    return _tap((recipe.grad, recipe.scale_mode, x.shape[:2]), y, record.taps[name])
+    rht_seed = recipe.rht_seed if recipe.rht else None
+    return _tap((recipe.grad, recipe.scale_mode, x.shape[:2], rht_seed), y, record.taps[name])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -246,10 +249,12 @@ def _tap_fwd(static, y, tap):
 
 
 def _tap_bwd(static, _, g):
-    fmt, scale_mode, (b, m) = static
+    fmt, scale_mode, (b, m), rht_seed = static
     g3 = g.reshape(b, m, math.prod(g.shape) // (b * m))  # [B, M, N], as the backward GEMMs see it
+    # the wgrad copy as the GEMM quantizes it: after the recipe's Hadamard transform, if any
+    g_col = g3 if rht_seed is None else rht(g3, -2, jax.random.key(rht_seed))
     return g, GradientLegs(
-        dgrad=leg_stats(g3, fmt, -1, scale_mode), wgrad=leg_stats(g3, fmt, -2, scale_mode)
+        dgrad=leg_stats(g3, fmt, -1, scale_mode), wgrad=leg_stats(g_col, fmt, -2, scale_mode)
     )
 
 

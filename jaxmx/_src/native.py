@@ -134,13 +134,19 @@ def _check_type_pair(a: MXArray, b: MXArray, fn: str) -> None:
 
 
 def _check_mx_operand(q, name: str) -> MXArray:
+    """``q`` checked as an MX operand: TN ([..., rows, K] blocked along its last axis) or K-first
+    ([..., K, rows] blocked along axis -2)."""
     q = checked(q, f"mx_matmul: {name}")
-    if q.ndim >= 2 and q.axis == q.ndim - 2 and q.tile is None:  # K-first: [..., K, rows]
-        _check_format(q, name, "mx_matmul", NATIVE_FORMATS)
-        k = ReducedAxis(q.data_axis, "K", "the contracting dimension")
-        check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
-        return q
-    return _check_tn_operand(q, name, "mx_matmul", NATIVE_FORMATS)
+    _check_format(q, name, "mx_matmul", NATIVE_FORMATS)
+    if q.ndim < 2 or q.axis < q.ndim - 2:
+        raise ValueError(
+            f"mx_matmul: {name} must be [..., rows, K] quantized along its last axis (TN form) "
+            f"or [..., K, rows] quantized along axis -2 (K-first), got axis {q.axis} of logical "
+            f"shape {q.shape}"
+        )
+    k = ReducedAxis(q.data_axis, "K", "the contracting dimension")
+    check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
+    return q
 
 
 def _check_format(q: MXArray, name: str, fn: str, formats: tuple[str, ...]) -> None:

@@ -447,7 +447,8 @@ def test_k_first_rows_must_be_a_multiple_of_16(machine):
     d = placed(np.zeros((1, 8, 16), np.float32))
     code, message = gpu.gemm(a_kf, b_kf, sa, sb, d, mx=True, k_first=(True, False))
     assert code == "invalid_argument"
-    assert "lhs rows M of a K-first operand must be a multiple of 16, got 8" in message
+    assert "lhs rows M of a K-first operand must be a multiple of 16" in message
+    assert message.endswith("got 8")
 
 
 def test_k_first_operands_are_for_the_mxfp8_gemm_only(machine):

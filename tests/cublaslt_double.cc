@@ -21,6 +21,9 @@
 //   of products times both scales is added to a float32 accumulator;
 //   alpha and beta on the host (CUBLASLT_POINTER_MODE_HOST, the default) or in device memory
 //   (CUBLASLT_POINTER_MODE_DEVICE), D = alpha * accumulator in float32;
+//   any TRANSA / TRANSB where the architecture has them (element (i, k) of op(A) read through
+//   TRANSA and lda, likewise for B), the block scales indexed by (row of op(A) / column of op(B),
+//   K-block) whatever the layout;
 //   strided batches (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT / STRIDED_BATCH_OFFSET), the scale
 //   tensors of consecutive batch elements one after the other;
 // and refuses what cuBLASLt refuses:

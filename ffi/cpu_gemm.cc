@@ -12,6 +12,10 @@
 // at most 20 significant bits.) The result is float32(alpha * acc), then rounded to the output
 // type. A NaN scale makes its block, and so the outputs it reaches, NaN.
 //
+// jaxmx_mx_matmul takes each operand in TN form [rows, K] or K-first [K, rows] (attributes
+// lhs_k_first / rhs_k_first, the layouts cuBLASLt takes untransposed on compute capability 10.x):
+// the same products, summed in the same order, so both layouts give the same bits.
+//
 // Block FP8 numerics are those of the emulation: each code times its block's (or tile's) float32
 // scale, rounded to float32, then a float32 dot accumulated along K in order.
 //
@@ -101,12 +105,21 @@ constexpr int64_t kPanel = 64;    // rhs rows decoded at a time
 constexpr int64_t kChunk = 2048;  // elements of K decoded at a time (a multiple of kBlock)
 
 struct Operands {
-  const uint8_t* lhs;        // [m, k] codes
-  const uint8_t* rhs;        // [n, k] codes
+  const uint8_t* lhs;        // [m, k] codes, or [k, m] (K-first)
+  const uint8_t* rhs;        // [n, k] codes, or [k, n] (K-first)
   const uint8_t* lhs_scale;  // swizzled (mx) or nullptr
   const uint8_t* rhs_scale;
   double tensor_scale;  // per-tensor mode: lhs_scale * rhs_scale; 1 in mx mode
 };
+
+// Element (row r, K index c) of an operand with `rows` rows: at r * k + c ([rows, k]), or at
+// c * rows + r when it is K-first ([k, rows]). The same products, summed in the same order.
+struct Strides {
+  int64_t row, k;
+};
+inline Strides OperandStrides(bool k_first, int64_t rows, int64_t k) {
+  return k_first ? Strides{1, rows} : Strides{k, 1};
+}
 
 template <typename Store>
 void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
@@ -116,6 +129,7 @@ void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
   const Table& ta = DecodeTable(p.lhs_type);
   const Table& tb = DecodeTable(p.rhs_type);
   const auto& pow2 = ScaleProducts();
+  const Strides sl = OperandStrides(p.lhs_k_first, m, k), sr = OperandStrides(p.rhs_k_first, n, k);
 
   // Scale bytes per row and K-block, read from the swizzled layout (127 = 2^0 without scales).
   const int64_t cols_padded = RoundUp(nb, kColTile);
@@ -141,14 +155,16 @@ void GemmOne(const GemmProblem& p, const Operands& op, Store store) {
       const int64_t rows = std::min(panel, n - j0), tiles = (rows + kTile - 1) / kTile;
       std::fill(b.begin(), b.end(), 0.0);
       for (int64_t jj = 0; jj < rows; ++jj) {
-        const uint8_t* src = op.rhs + (j0 + jj) * k;
+        const uint8_t* src = op.rhs + (j0 + jj) * sr.row;
         double* dst = b.data() + (jj / kTile) * kc * kTile + jj % kTile;
-        for (int64_t c = k0; c < k_end; ++c) dst[(c - k0) * kTile] = tb[src[c]];
+        for (int64_t c = k0; c < k_end; ++c) dst[(c - k0) * kTile] = tb[src[c * sr.k]];
       }
       for (int64_t i0 = 0; i0 < m; i0 += kTile) {
         std::fill(a.begin(), a.end(), 0.0);
-        for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii)
-          for (int64_t c = k0; c < k_end; ++c) a[ii * kc + c - k0] = ta[op.lhs[(i0 + ii) * k + c]];
+        for (int64_t ii = 0; ii < kTile && i0 + ii < m; ++ii) {
+          const uint8_t* src = op.lhs + (i0 + ii) * sl.row;
+          for (int64_t c = k0; c < k_end; ++c) a[ii * kc + c - k0] = ta[src[c * sl.k]];
+        }
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t jt = j0 + t * kTile;
           const double* bt = b.data() + t * kc * kTile;
@@ -202,8 +218,8 @@ void WithStore(ffi::DataType type, void* out, int64_t offset, Fn fn) {
 
 ffi::Error RunGemm(const char* target, ScaleKind kind, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                    ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
-                   ffi::Result<ffi::AnyBuffer> out) {
-  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out);
+                   ffi::Result<ffi::AnyBuffer> out, KFirst k_first = {}) {
+  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, {}, k_first);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
   IeeeSubnormals ieee;
@@ -339,8 +355,10 @@ ffi::Error Fp4MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuff
 
 ffi::Error MxMatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
                            ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> /*workspace: used by cuBLASLt only*/) {
-  return RunGemm("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, lhs, rhs, lhs_scale, rhs_scale, out);
+                           ffi::Result<ffi::AnyBuffer> /*workspace: used by cuBLASLt only*/,
+                           bool lhs_k_first, bool rhs_k_first) {
+  return RunGemm("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, lhs, rhs, lhs_scale, rhs_scale, out,
+                 KFirst{lhs_k_first, rhs_k_first});
 }
 
 ffi::Error Fp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
@@ -362,12 +380,14 @@ void UnswizzleScales(const uint8_t* buf, int64_t rows, int64_t cols, uint8_t* ou
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCpu, jaxmx::MxMatmulCpuImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()    // lhs [..., M, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()    // rhs [..., N, K] fp8
-                                  .Arg<xla::ffi::AnyBuffer>()    // lhs scales, swizzled u8
-                                  .Arg<xla::ffi::AnyBuffer>()    // rhs scales, swizzled u8
-                                  .Ret<xla::ffi::AnyBuffer>()    // out [..., M, N]
-                                  .Ret<xla::ffi::AnyBuffer>());  // workspace (unused here)
+                                  .Arg<xla::ffi::AnyBuffer>()   // lhs [..., M, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()   // rhs [..., N, K] fp8
+                                  .Arg<xla::ffi::AnyBuffer>()   // lhs scales, swizzled u8
+                                  .Arg<xla::ffi::AnyBuffer>()   // rhs scales, swizzled u8
+                                  .Ret<xla::ffi::AnyBuffer>()   // out [..., M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()   // workspace (unused here)
+                                  .Attr<bool>("lhs_k_first")    // lhs is [..., K, M]
+                                  .Attr<bool>("rhs_k_first"));  // rhs is [..., K, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxFp8MatmulCpu, jaxmx::Fp8MatmulCpuImpl,
                               xla::ffi::Ffi::Bind()

@@ -81,6 +81,12 @@ std::string Version(int v) {  // 120803 -> "12.8.3"
          std::to_string(v % 100);
 }
 
+// " [rows, k]", or " [k, rows] (K-first)"
+std::string Dims(int64_t rows, int64_t k, bool k_first) {
+  const std::string r = std::to_string(rows), c = std::to_string(k);
+  return k_first ? " [" + c + ", " + r + "] (K-first)" : " [" + r + ", " + c + "]";
+}
+
 LtStatus Error(LtCode code, std::string message) { return {code, std::move(message)}; }
 
 std::string CublasError(const CublasLtApi& api, const char* what, cublasStatus_t s) {
@@ -122,10 +128,11 @@ int64_t StridedBatch(const LtGemm& g) {
 
 bool LtContext::PlanKey::operator<(const PlanKey& o) const {
   return std::tie(device, scaling, lhs_type, rhs_type, out_type, batch, m, n, k, align_lhs,
-                  align_rhs, align_out, workspace, fast_accum, lhs_tiled, rhs_tiled) <
-         std::tie(o.device, o.scaling, o.lhs_type, o.rhs_type, o.out_type, o.batch, o.m, o.n, o.k,
-                  o.align_lhs, o.align_rhs, o.align_out, o.workspace, o.fast_accum, o.lhs_tiled,
-                  o.rhs_tiled);
+                  align_rhs, align_out, workspace, fast_accum, lhs_tiled, rhs_tiled, lhs_k_first,
+                  rhs_k_first) < std::tie(o.device, o.scaling, o.lhs_type, o.rhs_type, o.out_type,
+                                          o.batch, o.m, o.n, o.k, o.align_lhs, o.align_rhs,
+                                          o.align_out, o.workspace, o.fast_accum, o.lhs_tiled,
+                                          o.rhs_tiled, o.lhs_k_first, o.rhs_k_first);
 }
 
 LtContext::LtContext(const CublasLtApi& api)
@@ -181,6 +188,9 @@ LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) co
                          Capability(device.capability);
   if (g.batch < 0 || g.m < 0 || g.n < 0 || g.k < 0)
     return Error(LtCode::kInvalidArgument, "negative GEMM dimensions");
+  if (g.lhs_k_first || g.rhs_k_first) {
+    if (LtStatus s = CheckKFirst(on, device.capability, g); !s.ok()) return s;
+  }
   if (IsFp4(g)) return CheckFp4(on, device.capability, g);
   if (g.lhs_type == CUDA_R_8F_E5M2 && g.rhs_type == CUDA_R_8F_E5M2)
     return Error(LtCode::kUnimplemented,
@@ -216,6 +226,33 @@ LtStatus LtContext::Check(int ordinal, const Device& device, const LtGemm& g) co
 // Block FP8: compute capability 9.x, cuBLASLt >= 12.9 (and headers that know the modes),
 // K % 128 == 0, not 128x128 x 128x128, and a 1x128 operand's rows (the leading dimension of its
 // [K / 128, rows] scale matrix) a multiple of 4, so that every scale column is 16-byte aligned.
+// K-first operands (a non-TN matmul, see cublaslt_gemm.h): MXFP8 only, on compute capability
+// 10.x only, and their rows (the leading dimension) a multiple of 16 bytes.
+LtStatus LtContext::CheckKFirst(const std::string& on, int capability, const LtGemm& g) const {
+  if (g.scaling != LtScaling::kBlockVec32E8M0 || IsFp4(g))
+    return Error(LtCode::kUnimplemented,
+                 std::string("K-first ([K, rows]) operands are taken by the MXFP8 GEMM only; ") +
+                     ScalingName(g.scaling) + (IsFp4(g) ? " FP4" : "") +
+                     " operands must be in TN form ([rows, K])");
+  if (capability / 10 != 10)
+    return Error(LtCode::kFailedPrecondition,
+                 on + "; cuBLASLt runs MXFP8 with K-first (non-TN) operands on compute capability "
+                      "10.x only (8.9, 9.x and 12.x have TN kernels only): pass the operands in "
+                      "TN form ([rows, K])");
+  const int64_t rows[2] = {g.m, g.n};
+  const bool k_first[2] = {g.lhs_k_first, g.rhs_k_first};
+  const char* names[2] = {"lhs rows M", "rhs rows N"};
+  for (int s = 0; s < 2; ++s) {
+    if (k_first[s] && rows[s] % 16 != 0)
+      return Error(LtCode::kInvalidArgument,
+                   std::string(names[s]) +
+                       " of a K-first operand must be a multiple of 16 (its leading dimension, "
+                       "16-byte aligned for cuBLASLt), got " +
+                       std::to_string(rows[s]));
+  }
+  return {};
+}
+
 LtStatus LtContext::CheckBlockF32(const std::string& on, int capability, const LtGemm& g) const {
 #ifndef JAXMX_HAS_BLOCK_FP8_SCALING
   return Error(LtCode::kUnimplemented,
@@ -305,9 +342,11 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
   if (!check(api_.cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
              "cublasLtMatmulDescCreate"))
     return status;
-  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  if (!set_desc(CUBLASLT_MATMUL_DESC_TRANSA, op_t, "setting TRANSA") ||
-      !set_desc(CUBLASLT_MATMUL_DESC_TRANSB, op_n, "setting TRANSB"))
+  // TN, or for a K-first operand its untransposed storage (see cublaslt_gemm.h)
+  const cublasOperation_t op_a = g.rhs_k_first ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t op_b = g.lhs_k_first ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (!set_desc(CUBLASLT_MATMUL_DESC_TRANSA, op_a, "setting TRANSA") ||
+      !set_desc(CUBLASLT_MATMUL_DESC_TRANSB, op_b, "setting TRANSB"))
     return status;
   if (g.alpha_beta != nullptr) {  // FP4: alpha (and beta) from device memory
     const int32_t device_mode = CUBLASLT_POINTER_MODE_DEVICE;
@@ -352,9 +391,12 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
     int64_t rows, cols;
     const char* what;
   };
+  // stored column-major [rows, cols] with ld = rows
   const Matrix matrices[3] = {
-      {&plan->a, g.rhs_type, g.k, g.n, "the layout of A = rhs"},
-      {&plan->b, g.lhs_type, g.k, g.m, "the layout of B = lhs"},
+      g.rhs_k_first ? Matrix{&plan->a, g.rhs_type, g.n, g.k, "the layout of A = rhs (K-first)"}
+                    : Matrix{&plan->a, g.rhs_type, g.k, g.n, "the layout of A = rhs"},
+      g.lhs_k_first ? Matrix{&plan->b, g.lhs_type, g.m, g.k, "the layout of B = lhs (K-first)"}
+                    : Matrix{&plan->b, g.lhs_type, g.k, g.m, "the layout of B = lhs"},
       {&plan->d, g.out_type, g.n, g.m, "the layout of D = out^T"},
   };
   const int32_t batch = static_cast<int32_t>(key.batch);
@@ -401,13 +443,13 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
     return Error(
         LtCode::kUnimplemented,
         "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) + " lhs " +
-            TypeName(g.lhs_type) + " [" + std::to_string(g.m) + ", " + std::to_string(g.k) +
-            "] x rhs " + TypeName(g.rhs_type) + " [" + std::to_string(g.n) + ", " +
-            std::to_string(g.k) + "] -> " + TypeName(g.out_type) + ", batch " +
-            std::to_string(key.batch) + ", on compute capability " + Capability(device.capability) +
-            " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
-            std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +
-            " bytes, workspace " + std::to_string(key.workspace) + " bytes)" +
+            TypeName(g.lhs_type) + Dims(g.m, g.k, g.lhs_k_first) + " x rhs " +
+            TypeName(g.rhs_type) + Dims(g.n, g.k, g.rhs_k_first) + " -> " + TypeName(g.out_type) +
+            ", batch " + std::to_string(key.batch) + ", on compute capability " +
+            Capability(device.capability) + " (alignment lhs/rhs/out " +
+            std::to_string(key.align_lhs) + "/" + std::to_string(key.align_rhs) + "/" +
+            std::to_string(key.align_out) + " bytes, workspace " + std::to_string(key.workspace) +
+            " bytes)" +
             (heuristic != CUBLAS_STATUS_SUCCESS ? ": " + CublasError(api_, "heuristic", heuristic)
                                                 : ""));
   }
@@ -433,7 +475,9 @@ LtStatus LtContext::GetPlan(int ordinal, const Device& device, const LtGemm& g, 
                     workspace,
                     g.scaling == LtScaling::kTensorF32 && g.fast_accum,
                     g.scaling == LtScaling::kBlockF32 && g.lhs_tiled,
-                    g.scaling == LtScaling::kBlockF32 && g.rhs_tiled};
+                    g.scaling == LtScaling::kBlockF32 && g.rhs_tiled,
+                    g.lhs_k_first,
+                    g.rhs_k_first};
   std::lock_guard<std::mutex> lock(mu_);
   auto it = plans_.find(key);
   if (it == plans_.end()) {

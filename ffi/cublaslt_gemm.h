@@ -8,6 +8,18 @@
 //   cuBLAS A := rhs, stored col-major [K, N] with ld K, op T      (A scale pointer: rhs scales)
 //   cuBLAS B := lhs, stored col-major [K, M] with ld K, op N      (B scale pointer: lhs scales)
 //   cuBLAS D := out, col-major [N, M] with ld N.
+// MXFP8 operands may also arrive K-first (LtGemm::lhs_k_first / rhs_k_first), row-major [K, rows]:
+//   rhs K-first: A stored col-major [N, K] with ld N, op N;  lhs K-first: B stored col-major
+//   [M, K] with ld M, op T.
+// Their scales do not change: the VEC32_UE8M0 scale tensor of an operand is indexed by (row of
+// op(A) / column of op(B), K-block) whatever the data layout (cuBLAS documentation, "1D Block
+// Scaling Factors Layout"; TransformerEngine's cublaslt_gemm.cu passes MXFP8 columnwise data with
+// CUBLAS_OP_N and lda = m and its columnwise scales swizzled by the same 128x4 rule, its
+// swizzle.h: "padded to 128x4 for row-scale and 4x128 for col-scale"). cuBLASLt runs such non-TN
+// FP8 layouts on compute capability 10.x only: 8.9, 9.x and 12.x have TN kernels only
+// (TransformerEngine's nvte_is_non_tn_fp8_gemm_supported: sm_100..sm_11x and sm_130+). FP4
+// (NVFP4 / MXFP4) is TN everywhere (TransformerEngine: "NVFP4 gemm is only supported in TN
+// layout").
 // FP4 operands (CUDA_R_4F_E2M1) are packed two per byte along K (ld K still counts elements).
 #ifndef JAXMX_FFI_CUBLASLT_GEMM_H_
 #define JAXMX_FFI_CUBLASLT_GEMM_H_
@@ -53,6 +65,9 @@ struct LtGemm {
   bool fast_accum = false;  // kTensorF32 only: CUBLASLT_MATMUL_DESC_FAST_ACCUM (forward GEMMs)
   bool lhs_tiled = false, rhs_tiled = false;  // kBlockF32: which operand has 128x128 tiles
   const float* alpha_beta = nullptr;          // FP4: device (alpha, beta = 0) per batch element
+  // MXFP8 (kBlockVec32E8M0 on FP8 operands) on compute capability 10.x: operands stored
+  // row-major [k, rows] instead of [rows, k] (see the top), rows a multiple of 16.
+  bool lhs_k_first = false, rhs_k_first = false;
 };
 
 enum class LtCode { kOk, kInvalidArgument, kFailedPrecondition, kUnimplemented, kInternal };
@@ -101,7 +116,7 @@ class LtContext {
     int64_t batch, m, n, k;
     uint32_t align_lhs, align_rhs, align_out;
     uint64_t workspace;
-    bool fast_accum, lhs_tiled, rhs_tiled;
+    bool fast_accum, lhs_tiled, rhs_tiled, lhs_k_first, rhs_k_first;
     bool operator<(const PlanKey& o) const;
   };
   struct Plan {
@@ -116,6 +131,7 @@ class LtContext {
   LtStatus Check(int ordinal, const Device& device, const LtGemm& gemm) const;
   LtStatus CheckBlockF32(const std::string& on, int capability, const LtGemm& gemm) const;
   LtStatus CheckFp4(const std::string& on, int capability, const LtGemm& gemm) const;
+  LtStatus CheckKFirst(const std::string& on, int capability, const LtGemm& gemm) const;
   LtStatus GetPlan(int ordinal, const Device& device, const LtGemm& gemm, uint64_t workspace,
                    Plan** plan);
   LtStatus Enqueue(const Device& device, const LtGemm& gemm, Plan& plan, void* workspace,

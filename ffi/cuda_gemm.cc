@@ -198,10 +198,11 @@ ffi::Error RunInCore(Stage stage, const char* target, LtGemm gemm, const GemmPro
 
 // Checks the buffers of an FP8 GEMM, then runs it in the core.
 ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_accum,
-                    ScaleTiles tiles, cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
-                    ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
-                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, tiles);
+                    ScaleTiles tiles, KFirst k_first, cudaStream_t stream, int32_t device,
+                    ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale,
+                    ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Result<ffi::AnyBuffer> workspace) {
+  auto checked = CheckGemm(target, kind, lhs, rhs, lhs_scale, rhs_scale, *out, tiles, k_first);
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
   LtGemm gemm;
@@ -211,6 +212,8 @@ ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_a
   gemm.fast_accum = fast_accum;
   gemm.lhs_tiled = p.lhs_tiled;
   gemm.rhs_tiled = p.rhs_tiled;
+  gemm.lhs_k_first = p.lhs_k_first;
+  gemm.rhs_k_first = p.rhs_k_first;
   return RunInCore(stage, target, gemm, p, stream, device, lhs, rhs, lhs_scale, rhs_scale, out,
                    workspace);
 }
@@ -218,9 +221,11 @@ ffi::Error GemmCuda(Stage stage, const char* target, ScaleKind kind, bool fast_a
 template <Stage stage>
 ffi::Error MxMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                         ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace) {
-  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kBlockE8M0, false, {}, stream, device, lhs,
-                  rhs, lhs_scale, rhs_scale, out, workspace);
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+                        bool lhs_k_first, bool rhs_k_first) {
+  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kBlockE8M0, false, {},
+                  KFirst{lhs_k_first, rhs_k_first}, stream, device, lhs, rhs, lhs_scale, rhs_scale,
+                  out, workspace);
 }
 
 template <Stage stage>
@@ -228,8 +233,8 @@ ffi::Error Fp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs
                          ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                          bool fast_accum) {
-  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kTensorF32, fast_accum, {}, stream, device,
-                  lhs, rhs, lhs_scale, rhs_scale, out, workspace);
+  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kTensorF32, fast_accum, {}, {}, stream,
+                  device, lhs, rhs, lhs_scale, rhs_scale, out, workspace);
 }
 
 template <Stage stage>
@@ -239,8 +244,8 @@ ffi::Error BlockFp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::Result<ffi::AnyBuffer> workspace, bool lhs_tiled,
                               bool rhs_tiled) {
   return GemmCuda(stage, "jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, false,
-                  ScaleTiles{lhs_tiled, rhs_tiled}, stream, device, lhs, rhs, lhs_scale, rhs_scale,
-                  out, workspace);
+                  ScaleTiles{lhs_tiled, rhs_tiled}, {}, stream, device, lhs, rhs, lhs_scale,
+                  rhs_scale, out, workspace);
 }
 
 template <Stage stage>
@@ -283,10 +288,15 @@ CudaLibraryInfo LoadCudaLibraries() { return GetApi().info; }
 using jaxmx::Stage;
 using xla::ffi::ExecutionStage;
 
+// jaxmx_mx_matmul: either operand may be K-first ([..., K, rows]; compute capability 10.x).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCudaInitialize, jaxmx::MxMatmulCuda<Stage::kInitialize>,
-                              JAXMX_CUDA_BINDING(ExecutionStage::kInitialize));
+                              JAXMX_CUDA_BINDING(ExecutionStage::kInitialize)
+                                  .Attr<bool>("lhs_k_first")
+                                  .Attr<bool>("rhs_k_first"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmxMxMatmulCuda, jaxmx::MxMatmulCuda<Stage::kExecute>,
-                              JAXMX_CUDA_BINDING(ExecutionStage::kExecute),
+                              JAXMX_CUDA_BINDING(ExecutionStage::kExecute)
+                                  .Attr<bool>("lhs_k_first")
+                                  .Attr<bool>("rhs_k_first"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxmxFp8MatmulCudaInitialize, jaxmx::Fp8MatmulCuda<Stage::kInitialize>,

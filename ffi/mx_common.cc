@@ -116,13 +116,17 @@ ffi::ErrorOr<GemmProblem> CheckBlockF32Scales(const char* target, GemmProblem p,
   return p;
 }
 
-// The batch dims, M, N and the last dim of the operands (K, or K/2 packed bytes) of lhs
-// [..., M, K], rhs [..., N, K] and out [..., M, N], into `p`.
+// The batch dims, M, N and K (or K/2 packed bytes) of lhs [..., M, K], rhs [..., N, K] and out
+// [..., M, N], into `p`; an operand marked in `k_first` is [..., K, rows] instead.
 ffi::ErrorOr<GemmProblem> CheckShapes(const char* target, GemmProblem p, const ffi::AnyBuffer& lhs,
-                                      const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& out) {
+                                      const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& out,
+                                      KFirst k_first = {}) {
   const auto ld = lhs.dimensions(), rd = rhs.dimensions(), od = out.dimensions();
   const size_t rank = ld.size();
-  if (rank < 2) return Invalid(target, "lhs must have shape [..., M, K], got " + Shape(lhs));
+  const char* lhs_form = k_first.lhs ? "[..., K, M]" : "[..., M, K]";
+  const char* rhs_form = k_first.rhs ? "[..., K, N]" : "[..., N, K]";
+  if (rank < 2)
+    return Invalid(target, std::string("lhs must have shape ") + lhs_form + ", got " + Shape(lhs));
   if (rd.size() != rank || od.size() != rank)
     return Invalid(target, "lhs " + Shape(lhs) + ", rhs " + Shape(rhs) + " and output " +
                                Shape(out) + " must have the same rank");
@@ -132,15 +136,17 @@ ffi::ErrorOr<GemmProblem> CheckShapes(const char* target, GemmProblem p, const f
                                  ", output " + Shape(out));
     p.batch *= ld[i];
   }
-  p.m = ld[rank - 2];
-  p.k = ld[rank - 1];
-  p.n = rd[rank - 2];
-  if (rd[rank - 1] != p.k)
+  p.m = ld[rank - (k_first.lhs ? 1 : 2)];
+  p.k = ld[rank - (k_first.lhs ? 2 : 1)];
+  p.n = rd[rank - (k_first.rhs ? 1 : 2)];
+  if (rd[rank - (k_first.rhs ? 2 : 1)] != p.k)
     return Invalid(target, "contracting sizes differ: lhs " + Shape(lhs) + " vs rhs " + Shape(rhs) +
-                               " (operands are [M, K] and [N, K])");
+                               " (operands are " + lhs_form + " and " + rhs_form + ")");
   if (od[rank - 2] != p.m || od[rank - 1] != p.n)
     return Invalid(target, "the output must have shape [..., " + std::to_string(p.m) + ", " +
                                std::to_string(p.n) + "], got " + Shape(out));
+  p.lhs_k_first = k_first.lhs;
+  p.rhs_k_first = k_first.rhs;
   return p;
 }
 
@@ -188,7 +194,7 @@ ffi::ErrorOr<GemmProblem> CheckSwizzledScales(const char* target, GemmProblem p,
 ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
                                     const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
                                     const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out,
-                                    ScaleTiles tiles) {
+                                    ScaleTiles tiles, KFirst k_first) {
   GemmProblem p;
   p.lhs_type = lhs.element_type();
   p.rhs_type = rhs.element_type();
@@ -206,7 +212,9 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
   if (!IsGemmOutput(p.out_type))
     return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
                                DataTypeName(p.out_type));
-  auto shaped = CheckShapes(target, p, lhs, rhs, out);
+  if ((k_first.lhs || k_first.rhs) && kind != ScaleKind::kBlockE8M0)
+    return Invalid(target, "only the MX GEMM takes K-first ([..., K, rows]) operands");
+  auto shaped = CheckShapes(target, p, lhs, rhs, out, k_first);
   if (shaped.has_error()) return shaped;
   p = *shaped;
   const auto ld = lhs.dimensions();

@@ -113,13 +113,22 @@ inline bool IsGemmOutput(ffi::DataType t) {
 }
 
 // The problem a handler was called with: `batch` independent GEMMs
-// out[b] [m, n] = lhs[b] [m, k] . rhs[b] [n, k]^T, all row-major.
+// out[b] [m, n] = lhs[b] [m, k] . rhs[b] [n, k]^T, all row-major; an operand marked K-first is
+// stored [k, rows] instead (the MX GEMM only).
 struct GemmProblem {
   int64_t batch = 1, m = 0, n = 0, k = 0;
   ffi::DataType lhs_type{}, rhs_type{}, out_type{};
   // Scale elements between batch elements: bytes (mx), float32 elements (per-tensor, block FP8).
   int64_t lhs_scale_stride = 0, rhs_scale_stride = 0;
   bool lhs_tiled = false, rhs_tiled = false;  // block FP8: 128x128 tiles instead of 1x128 blocks
+  bool lhs_k_first = false, rhs_k_first = false;
+};
+
+// MX GEMM (jaxmx_mx_matmul): which operands arrive K-first, [..., K, rows] (row-major) instead of
+// the TN form [..., rows, K]. Their scales are the same swizzled bytes either way: the cuBLAS
+// block-scale layout is indexed by (row of the operand, K-block) whatever the data layout.
+struct KFirst {
+  bool lhs = false, rhs = false;
 };
 
 // kBlockE8M0: MX, swizzled E8M0 bytes per 32 elements along K; kTensorF32: one float32 per
@@ -152,11 +161,12 @@ ffi::ErrorOr<GemmProblem> CheckFp4Gemm(const char* target, Fp4Format format,
 
 // Checks element types and shapes of a jaxmx GEMM call and derives its problem. Every handler calls
 // this first, so malformed calls (e.g. a raw jax.ffi.ffi_call that skips the Python checks) fail
-// with a readable message instead of reading out of bounds.
+// with a readable message instead of reading out of bounds. `k_first` (MX only) marks operands
+// stored [..., K, rows].
 ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ffi::AnyBuffer& lhs,
                                     const ffi::AnyBuffer& rhs, const ffi::AnyBuffer& lhs_scale,
                                     const ffi::AnyBuffer& rhs_scale, const ffi::AnyBuffer& out,
-                                    ScaleTiles tiles = {});
+                                    ScaleTiles tiles = {}, KFirst k_first = {});
 
 }  // namespace jaxmx
 

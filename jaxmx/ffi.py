@@ -1,10 +1,11 @@
 """The native GEMMs as raw custom calls (XLA FFI), and what this machine can run.
 
-``mx_matmul`` multiplies MXFP8 operands in TN form (cuBLASLt block scaling on Blackwell, a C++
-handler on the CPU); ``block_fp8_matmul`` block-FP8 operands (1x128 blocks or 128x128 tiles,
-float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp4_matmul`` NVFP4 or MXFP4
-operands (cuBLASLt on Blackwell, the C++ handler on the CPU); ``fp8_matmul`` FP8 operands with
-per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler on the CPU).
+``mx_matmul`` multiplies MXFP8 operands in TN form or K-first (cuBLASLt block scaling on
+Blackwell, a C++ handler on the CPU); ``block_fp8_matmul`` block-FP8 operands (1x128 blocks or
+128x128 tiles, float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp4_matmul``
+NVFP4 or MXFP4 operands (cuBLASLt on Blackwell, the C++ handler on the CPU); ``fp8_matmul`` FP8
+operands with per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler
+on the CPU).
 Most code calls
 :func:`jaxmx.matmul` or :func:`jaxmx.dot_general` with ``backend="ffi"`` instead.
 

@@ -21,6 +21,9 @@ what is missing). Runs in under 5 minutes on one GPU and prints its run time. St
    output dtype, operands whose exponents vary per row and per block on both sides, batch dims
    and vmap, and against ``jax.nn.scaled_matmul`` (cuDNN); below 10.0 it checks the call fails
    with the capability error instead;
+   and on compute capability 10.x with K-first (non-TN) operands, which go to cuBLASLt
+   untransposed there (``lhs_k_first`` / ``rhs_k_first`` in the lowered call), against the CPU
+   handler and the emulation (skipped with a message elsewhere: sm_12x keeps the all-TN path);
 4. block FP8 (compute capability 9.x): ``jaxmx.ffi.block_fp8_matmul`` with 1x128 x 128x128
    (forward, dgrad shapes), 1x128 x 1x128 (wgrad), 128x128 x 1x128 and E5M2 x E4M3 scales
    against ``jaxmx.dequantize`` + ``jnp.dot`` and the CPU handler, and ``DEEPSEEK_FP8``'s
@@ -369,6 +372,77 @@ def check_mx(gpu, cpu, capability, small=False):
     except Exception as e:
         check(name, False, f"{type(e).__name__}: {e}")
     check_against_cudnn(gpu)
+
+
+def check_non_tn_mx(gpu, cpu, capability, small=False, dry_run=False):
+    """K-first MX operands on compute capability 10.x: passed to cuBLASLt untransposed (the
+    lowered call says so), against the CPU handler and the emulation. ``dry_run``: the CPU
+    stands in, with the 10.x layout choice forced."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmx
+    from jaxmx import ffi
+    from jaxmx._src import backends
+
+    if capability[0] != 10:
+        log(
+            "== MX with K-first (non-TN) operands: skipped, cuBLASLt takes non-TN MXFP8 layouts "
+            f"on compute capability 10.x only (this device: {capability[0]}.{capability[1]}, "
+            "which gets the all-TN path)"
+        )
+        return
+    log("== MX with K-first (non-TN) operands (cuBLASLt TRANSA/TRANSB other than TN)")
+    choose = backends.mx_k_first_untransposed
+    if dry_run:
+        backends.mx_k_first_untransposed = lambda: True
+    try:
+        check("the 10.x layout choice passes K-first operands", backends.mx_k_first_untransposed())
+        shapes = [(100, 72, 96), (128, 256, 512), (2, 300, 130, 1024)]
+        if small:
+            shapes = shapes[:2]
+        layouts = [(True, False), (False, True), (True, True)]
+        for shape in shapes:
+            *batch, m, n, k = shape
+            for lhs_kf, rhs_kf in layouts:
+                name = f"mx K-first lhs={lhs_kf} rhs={rhs_kf} [{', '.join(map(str, shape))}]"
+                try:
+                    key = jax.random.key(m + n + k + 2 * lhs_kf + rhs_kf)
+                    ka, kb = jax.random.split(key)
+                    x = exponent_varied(ka, (*batch, m, k))
+                    w = exponent_varied(kb, (*batch, n, k))
+
+                    def operand(v, k_first):
+                        if k_first:
+                            return jaxmx.quantize(v.swapaxes(-1, -2), axis=v.ndim - 2)
+                        return jaxmx.quantize(v)
+
+                    a, b = jax.device_put((operand(x, lhs_kf), operand(w, rhs_kf)), gpu)
+                    f = jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.float32))
+                    text = f.lower(a, b).as_text()
+                    ok = f"lhs_k_first = {str(lhs_kf).lower()}" in text
+                    ok = ok and f"rhs_k_first = {str(rhs_kf).lower()}" in text
+                    check(name + " lowers untransposed", ok)
+                    out = f(a, b)
+
+                    def rows_k(q, k_first):
+                        d = jaxmx.dequantize(q)
+                        return d.swapaxes(-1, -2) if k_first else d
+
+                    xd, wd = rows_k(a, lhs_kf), rows_k(b, rhs_kf)
+                    ref = jnp.einsum("...mk,...nk->...mn", xd, wd, precision="highest")
+                    abs_sum = jnp.einsum(
+                        "...mk,...nk->...mn", abs(xd), abs(wd), precision="highest"
+                    )
+                    err = max_error(out, ref, abs_sum, jnp.float32)
+                    check(name + " vs emulation", err <= 1.0, f"error {err:.3g} of bound")
+                    on_cpu = jax.jit(lambda a, b: ffi.mx_matmul(a, b, jnp.float32))
+                    err = max_error(out, on_cpu(*jax.device_put((a, b), cpu)), abs_sum, jnp.float32)
+                    check(name + " vs CPU handler", err <= 1.0, f"error {err:.3g} of bound")
+                except Exception as e:
+                    check(name, False, f"{type(e).__name__}: {e}")
+    finally:
+        backends.mx_k_first_untransposed = choose
 
 
 def check_block_fp8(gpu, cpu, capability, small=False):
@@ -773,6 +847,7 @@ def main() -> int:
         log("== CPU dry run: the CPU handler stands in for cuBLASLt, as if compute capability 10.0")
         check_fp8(cpu, cpu, (10, 0))
         check_mx(cpu, cpu, (10, 0), small=True)
+        check_non_tn_mx(cpu, cpu, (10, 0), small=True, dry_run=True)
         check_block_fp8(cpu, cpu, (9, 0), small=True)
         check_fp4(cpu, cpu, (10, 0), small=True)
         check_graphs((10, 0), "cpu")
@@ -791,6 +866,7 @@ def main() -> int:
     jax.config.update("jax_default_device", gpu)
     cc = tuple(int(p) for p in str(gpu.compute_capability).split(".")[:2])
     steps = [lambda: check_fp8(gpu, cpu, cc), lambda: check_mx(gpu, cpu, cc)]
+    steps.append(lambda: check_non_tn_mx(gpu, cpu, cc))
     steps.append(lambda: check_block_fp8(gpu, cpu, cc))
     steps.append(lambda: check_fp4(gpu, cpu, cc))
     steps.append(lambda: check_graphs(cc, "gpu"))

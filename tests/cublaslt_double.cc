@@ -21,6 +21,9 @@
 //   of products times both scales is added to a float32 accumulator;
 //   alpha and beta on the host (CUBLASLT_POINTER_MODE_HOST, the default) or in device memory
 //   (CUBLASLT_POINTER_MODE_DEVICE), D = alpha * accumulator in float32;
+//   any TRANSA / TRANSB where the architecture has them (element (i, k) of op(A) read through
+//   TRANSA and lda, likewise for B), the block scales indexed by (row of op(A) / column of op(B),
+//   K-block) whatever the layout;
 //   strided batches (CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT / STRIDED_BATCH_OFFSET), the scale
 //   tensors of consecutive batch elements one after the other;
 // and refuses what cuBLASLt refuses:
@@ -638,11 +641,13 @@ void core_free(void* context) { delete static_cast<jaxmx::LtContext*>(context); 
 // `scaling`: 0 per-tensor, 1 MX (VEC32_UE8M0; MXFP4 with float4_e2m1fn types), 2 block FP8 with
 // 1x128 blocks, 3 block FP8 with 128x128 rhs tiles, 4 block FP8 with 128x128 lhs tiles, 5 block
 // FP8 with both tiled, 6 NVFP4 (VEC16_UE4M3). `alpha_beta`: LtGemm::alpha_beta (may be null).
+// `lhs_k_first` / `rhs_k_first`: LtGemm::lhs_k_first / rhs_k_first (operands [k, rows]).
 int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t batch, int64_t m,
               int64_t n, int64_t k, const char* lhs_type, const char* rhs_type,
               const char* out_type, const void* lhs, const void* rhs, const void* lhs_scale,
               const void* rhs_scale, void* out, int fast_accum, void* workspace,
-              uint64_t workspace_bytes, char* message, int message_size, const float* alpha_beta) {
+              uint64_t workspace_bytes, char* message, int message_size, const float* alpha_beta,
+              int lhs_k_first, int rhs_k_first) {
   jaxmx::LtGemm g;
   g.scaling = scaling == 0   ? jaxmx::LtScaling::kTensorF32
               : scaling == 1 ? jaxmx::LtScaling::kBlockVec32E8M0
@@ -664,6 +669,8 @@ int core_gemm(void* context, int prepare_only, int device, int scaling, int64_t 
   g.out = out;
   g.fast_accum = fast_accum != 0;
   g.alpha_beta = alpha_beta;
+  g.lhs_k_first = lhs_k_first != 0;
+  g.rhs_k_first = rhs_k_first != 0;
   auto* c = static_cast<jaxmx::LtContext*>(context);
   const jaxmx::LtStatus s = prepare_only ? c->Prepare(device, g, workspace, workspace_bytes)
                                          : c->Run(device, g, workspace, workspace_bytes, nullptr);

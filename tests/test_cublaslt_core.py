@@ -83,7 +83,7 @@ def build(directory, core_includes=()) -> ctypes.CDLL:
     lib.core_new.restype = p
     lib.core_free.argtypes = [p]
     lib.core_gemm.argtypes = [p, i, i, i, i64, i64, i64, i64, s, s, s, p, p, p, p, p, i, p]
-    lib.core_gemm.argtypes += [ctypes.c_uint64, s, i, p]
+    lib.core_gemm.argtypes += [ctypes.c_uint64, s, i, p, i, i]
     lib.double_plain_matmul.argtypes = [i64, i64, i64, s, s, i, i, i, ctypes.c_uint64]
     lib.double_plain_matmul.restype = s
     return lib
@@ -150,6 +150,7 @@ class Machine:
         fp4=None,
         alpha_beta=None,
         types=None,
+        k_first=(False, False),
     ):
         """(LtCode name, message) of the core on these host buffers ([B, M, K], [B, N, K]).
 
@@ -157,10 +158,13 @@ class Machine:
         for ``"rhs"``, ``"lhs"``, ``"both"`` or ``""`` (1x128 blocks on both sides). ``fp4``:
         ``"nvfp4"`` or ``"mxfp4"``: packed E2M1 operands ([B, M, K/2], [B, N, K/2] bytes) with
         those scales and ``alpha_beta`` (float32 [B, 2], or None: a null pointer); ``types``
-        overrides the operand type names."""
+        overrides the operand type names. ``k_first``: (lhs, rhs) flags of operands stored
+        [B, K, rows] instead."""
         scaling = int(mx) if tiles is None else {"": 2, "rhs": 3, "lhs": 4, "both": 5}[tiles]
         batch, m, k = lhs.shape
-        n = rhs.shape[1]
+        if k_first[0]:
+            k, m = m, k
+        n = rhs.shape[2 if k_first[1] else 1]
         if fp4 is not None:
             scaling, k = {"nvfp4": 6, "mxfp4": 1}[fp4], 2 * k
             types = types or ("float4_e2m1fn", "float4_e2m1fn")
@@ -173,6 +177,7 @@ class Machine:
             lhs.ctypes.data, rhs.ctypes.data, lhs_scale.ctypes.data, rhs_scale.ctypes.data,
             out.ctypes.data, int(fast_accum), workspace.ctypes.data, workspace.nbytes,
             message, len(message), None if alpha_beta is None else alpha_beta.ctypes.data,
+            int(k_first[0]), int(k_first[1]),
         )  # fmt: skip
         return CODES[code], message.value.decode()
 
@@ -388,6 +393,77 @@ def test_sm100_has_other_layouts(lib, machine):
     machine((100,))
     e4 = "float8_e4m3fn"
     assert plain_matmul(lib, 32, 32, 64, (e4, e4), (0, 0)) == "CUBLAS_STATUS_SUCCESS"
+
+
+# --- K-first (non-TN) MXFP8 operands -------------------------------------------------------------
+
+K_FIRST = [(True, False), (False, True), (True, True)]
+
+
+def k_first_case(seed, batch, m, n, k, k_first, types=("float8_e4m3fn", "float8_e4m3fn")):
+    """An MX case with the codes of the K-first operands stored [B, K, rows]; the swizzled scales
+    are those of the TN form (the cuBLAS scale layout is indexed by row and K-block)."""
+    (a, b, sa, sb), exact, abs_sum = mx_case(seed, batch, m, n, k, types)
+    a_kf = placed(a.swapaxes(1, 2)) if k_first[0] else a
+    b_kf = placed(b.swapaxes(1, 2)) if k_first[1] else b
+    return (a, b, sa, sb), (a_kf, b_kf), exact, abs_sum
+
+
+@pytest.mark.parametrize("cc", [100, 103])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k_first", K_FIRST)
+def test_sm100_runs_k_first_operands_untransposed(machine, cc, batch, k_first):
+    gpu = machine((cc,))
+    m, n, k = 32, 48, 96
+    (a, b, sa, sb), (a_kf, b_kf), exact, abs_sum = k_first_case(batch + cc, batch, m, n, k, k_first)
+    d = placed(np.full((batch, m, n), np.nan, np.float32))
+    assert gpu.gemm(a_kf, b_kf, sa, sb, d, mx=True, k_first=k_first) == ("ok", "")
+    assert_close(d, exact, abs_sum, k, "float32")
+    (call,) = gpu.matmuls()  # still one strided-batched call
+    assert call.batch_count == batch
+    # A = rhs: op T in TN form, N when K-first; B = lhs: op N in TN form, T when K-first
+    assert (call.transa, call.transb) == (int(not k_first[1]), int(k_first[0]))
+    d_tn = placed(np.full((batch, m, n), np.nan, np.float32))
+    assert gpu.gemm(a, b, sa, sb, d_tn, mx=True) == ("ok", "")
+    np.testing.assert_array_equal(d, d_tn)  # the same products summed in the same order
+
+
+@pytest.mark.parametrize("cc", [89, 90, 120, 121])
+def test_k_first_operands_are_refused_off_compute_capability_10(lib, machine, cc):
+    gpu = machine((cc,))
+    (_, _, sa, sb), (a_kf, b_kf), _, _ = k_first_case(1, 1, 16, 16, 64, (True, False))
+    d = placed(np.zeros((1, 16, 16), np.float32))
+    code, message = gpu.gemm(a_kf, b_kf, sa, sb, d, mx=True, k_first=(True, False))
+    assert code == "failed_precondition"
+    assert f"compute capability {cc // 10}.{cc % 10}" in message
+    assert "K-first (non-TN) operands on compute capability 10.x only" in message
+    assert "TN form" in message
+    assert gpu.matmuls() == [] and lib.double_heuristic_count() == 0
+
+
+def test_k_first_rows_must_be_a_multiple_of_16(machine):
+    gpu = machine()
+    (_, _, sa, sb), (a_kf, b_kf), _, _ = k_first_case(2, 1, 8, 16, 64, (True, False))
+    d = placed(np.zeros((1, 8, 16), np.float32))
+    code, message = gpu.gemm(a_kf, b_kf, sa, sb, d, mx=True, k_first=(True, False))
+    assert code == "invalid_argument"
+    assert "lhs rows M of a K-first operand must be a multiple of 16" in message
+    assert message.endswith("got 8")
+
+
+def test_k_first_operands_are_for_the_mxfp8_gemm_only(machine):
+    gpu = machine()
+    e4 = placed(np.zeros((1, 64, 16), ml_dtypes.float8_e4m3fn))
+    one = placed(np.float32([1.0]))
+    d = placed(np.zeros((1, 16, 16), np.float32))
+    code, message = gpu.gemm(e4, e4, one, one, d, mx=False, k_first=(False, True))
+    assert code == "unimplemented"
+    assert "taken by the MXFP8 GEMM only" in message and "TN form" in message
+    (a, b, sa, sb), ab, _ = fp4_case(3, 1, 16, 16, 64, "mxfp4")
+    code, message = gpu.gemm(
+        a, b, sa, sb, d, mx=True, fp4="mxfp4", alpha_beta=ab, k_first=(False, True)
+    )
+    assert code == "unimplemented" and "FP4 operands must be in TN form" in message
 
 
 def test_k_not_a_multiple_of_the_block(lib, machine):

@@ -310,8 +310,8 @@ def test_python_side_errors():
         ffi.mx_matmul(quantize(jnp.ones((4, 64)), "mxfp4"), a)
     with pytest.raises(ValueError, match="contracting sizes differ"):
         ffi.mx_matmul(a, quantize(jnp.ones((4, 96))))
-    with pytest.raises(ValueError, match="last axis"):
-        ffi.mx_matmul(quantize(jnp.ones((64, 4)), axis=0), a)
+    with pytest.raises(ValueError, match=r"last axis \(TN form\) or \[..., K, rows\]"):
+        ffi.mx_matmul(quantize(jnp.ones((64, 4, 32)), axis=0), a)  # K-first takes axis -2
     with pytest.raises(ValueError, match="batch dimensions differ"):
         ffi.mx_matmul(quantize(jnp.ones((2, 4, 64))), quantize(jnp.ones((3, 4, 64))))
     with pytest.raises(TypeError, match="out_dtype"):
@@ -339,7 +339,10 @@ def test_python_side_errors():
 
 def raw_call(target, out_shape, out_dtype, *args):
     ffi.register_targets()
-    attributes = {"fast_accum": False} if target == "jaxmx_fp8_matmul" else {}
+    attributes = {
+        "jaxmx_fp8_matmul": {"fast_accum": False},
+        "jaxmx_mx_matmul": {"lhs_k_first": False, "rhs_k_first": False},
+    }.get(target, {})
     out, _ = jax.ffi.ffi_call(
         target,
         (jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct((0,), jnp.uint8)),

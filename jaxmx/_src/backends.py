@@ -64,6 +64,7 @@ def native_pair(formats: tuple[str, ...]) -> bool:
 
 
 _MX_COMPUTE_CAPABILITY = (10, 0)
+_NON_TN_MX_MAJOR = 10  # cuBLASLt's non-TN MXFP8 kernels: 10.x (8.9, 9.x and 12.x are TN only)
 _MIN_CUBLASLT = 120800  # MX and FP4 block scaling (VEC32_UE8M0, VEC16_UE4M3): cuBLASLt 12.8
 _BLOCK_FP8_MAJOR = 9  # VEC128_32F / BLK128x128_32F: Hopper
 _MIN_CUBLASLT_BLOCK_FP8 = 120900
@@ -150,6 +151,30 @@ def _native_recipes() -> str:
     if not native:
         return "none (every recipe is emulated on this machine)"
     return ", ".join(native) + " (cuBLASLt)"
+
+
+def non_tn_mx(capability: tuple[int, int] | None) -> bool:
+    """Whether the native MX GEMM takes K-first operands untransposed on a CUDA device of this
+    compute capability (``None``: no such device).
+
+    cuBLASLt runs MXFP8 with non-TN layouts on compute capability 10.x (TransformerEngine passes
+    them through there); 12.x, like 8.9 and 9.x, has TN kernels only, so elsewhere a K-first
+    operand's codes and scales are transposed to TN form before the call.
+
+    Example:
+        >>> from jaxmx._src.backends import non_tn_mx
+        >>> non_tn_mx((10, 0)), non_tn_mx((12, 0)), non_tn_mx(None)
+        (True, False, False)
+    """
+    return capability is not None and capability[0] == _NON_TN_MX_MAJOR
+
+
+def mx_k_first_untransposed() -> bool:
+    """Whether :func:`jaxmx.ffi.mx_matmul` passes K-first operands untransposed here: the native
+    MX GEMM runs on the default CUDA device (:func:`cublaslt_supported`) and that device takes
+    non-TN layouts (:func:`non_tn_mx`). Decided at trace time, for every lowering platform of the
+    call (the CPU handler takes both layouts)."""
+    return cublaslt_supported() and non_tn_mx(_device_capability()[0])
 
 
 def cublaslt_supported() -> bool:

@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 
 
-def vmappable(impl: Callable, fold) -> Callable:
+def vmappable(impl: Callable, fold: tuple[bool, ...] | None) -> Callable:
     """``impl(lhs, rhs, lhs_scale, rhs_scale, *rest)`` (equal leading batch dims) made vmappable.
 
     Under ``vmap`` the batch becomes a leading dim of one call (one custom call and workspace for
     the native GEMM), not a loop: when exactly the arguments ``fold`` marks (one flag per
     argument, e.g. the lhs and its scales) are batched and the rhs has no batch dims, the batch
-    is folded into M (one bigger GEMM); otherwise unbatched operands are broadcast.
+    is folded into M (one bigger GEMM); otherwise (and always with ``fold=None``, e.g. for an lhs
+    stored K-first, whose rows are its last axis) unbatched operands are broadcast.
     (``custom_partitioning`` has no batching rule of its own, so the partitioned GEMM is wrapped
     in this.)
     """
@@ -34,7 +35,7 @@ def vmappable(impl: Callable, fold) -> Callable:
 
     @f.def_vmap
     def rule(axis_size, in_batched, *args):
-        if tuple(in_batched) == fold and args[1].ndim == 2:
+        if fold is not None and tuple(in_batched) == fold and args[1].ndim == 2:
             m = args[0].shape[1]
             flat = [
                 x.reshape(axis_size * m, *x.shape[2:]) if b else x

@@ -1,8 +1,10 @@
 """The MX GEMM: ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on MX operands.
 
 It checks its operands and hands them to a backend (:mod:`jaxmx._src.backends`): the emulation,
-or the native custom call, which takes TN operands (a K-first operand's 1-byte codes and scales
-are transposed for it). With ``backend="auto"`` the choice is made per lowering platform.
+or the native custom call. The block-FP8 and FP4 GEMMs take TN operands (a K-first operand's
+1-byte codes and scales are transposed for them); the MX GEMM takes K-first operands
+untransposed where the default CUDA device has compute capability 10.x
+(:func:`jaxmx.ffi.mx_matmul`). With ``backend="auto"`` the choice is made per lowering platform.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -25,7 +27,7 @@ from jaxmx._src.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, per_platform
 from jaxmx._src.dequantized import dequantized_matmul
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.emulate import emulated_matmul
-from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes, untiled
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, untiled
 
 
 def matmul(
@@ -104,10 +106,10 @@ def _untileable(q: MXArray) -> bool:
 
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     if a.fmt in BLOCK_FP8_FORMATS or b.fmt in BLOCK_FP8_FORMATS:
-        return native.block_fp8_matmul(_tn(a), _tn(b), out_dtype)
+        return native.block_fp8_matmul(native.tn_form(a), native.tn_form(b), out_dtype)
     if a.fmt in FP4_FORMATS or b.fmt in FP4_FORMATS:
-        return native.fp4_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
-    return native.mx_matmul(_tn(untiled(a)), _tn(untiled(b)), out_dtype)
+        return native.fp4_matmul(native.tn_form(untiled(a)), native.tn_form(untiled(b)), out_dtype)
+    return native.mx_matmul(untiled(a), untiled(b), out_dtype)
 
 
 def _native_tiles(q: MXArray) -> bool:
@@ -120,11 +122,6 @@ def _native_tiles(q: MXArray) -> bool:
 
 
 _RUNNERS = {"emulate": _emulate, "ffi": _native}
-
-
-def _tn(q: MXArray) -> MXArray:
-    """``q`` in TN form: a K-first operand has its 1-byte codes and scales transposed."""
-    return q if q.axis == q.ndim - 1 else swap_last_axes(q)
 
 
 def _check_operands(a: MXArray, b: MXArray) -> None:

@@ -17,7 +17,10 @@ Four custom-call targets, each with a CPU handler (plain C++, always built) and 
   capability >= 10.0 and CUDA >= 12.8.
 
 All take TN operands, ``a`` [..., M, K] and ``b`` [..., N, K], and return
-``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. All are
+``a @ b^T`` [..., M, N] in bfloat16, float16 or float32, accumulated in float32. The MX GEMM also
+takes K-first operands ([..., K, rows], quantized along K): untransposed where the default CUDA
+device has compute capability 10.x (cuBLASLt's non-TN MXFP8 layouts), transposed to TN form
+everywhere else. All are
 jitted (one compiled call per shape when called eagerly) and vmappable; the MX and block-FP8
 GEMMs are partitioned under SPMD by :mod:`jaxmx._src.partitioning` (the per-tensor FP8 and the
 FP4 GEMMs are not: XLA gathers their operands).
@@ -41,13 +44,13 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jaxmx._src import bits, extension
+from jaxmx._src import backends, bits, extension
 from jaxmx._src.alignment import ReducedAxis, check_block_alignment
 from jaxmx._src.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, NATIVE_FORMATS, native_pair
 from jaxmx._src.batching import vmappable
 from jaxmx._src.dtypes import check_float_dtype
 from jaxmx._src.formats import FORMATS
-from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, untiled
+from jaxmx._src.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes, untiled
 from jaxmx._src.partitioning import partitioned_gemm
 from jaxmx._src.swizzle import swizzle_scales
 from jaxmx._src.vma import vary_like
@@ -69,16 +72,23 @@ _N_MULTIPLE = 16  # cuBLASLt: rows of out^T padded so every row of out starts 16
 
 
 def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
-    """``a @ b^T`` for MXFP8 operands in TN form, on the native custom call.
+    """``a @ b^T`` for MXFP8 operands, on the native custom call.
 
     Args:
-        a: [..., M, K] quantized along its last axis (``mxfp8_e4m3`` or ``mxfp8_e5m2``).
-        b: [..., N, K] quantized along its last axis, same leading (batch) dims and K.
+        a: [..., M, K] quantized along its last axis (``mxfp8_e4m3`` or ``mxfp8_e5m2``: the TN
+            form), or [..., K, M] quantized along K, its axis -2 (a columnwise copy kept
+            untransposed, as the training GEMM's gradients use).
+        b: [..., N, K] or [..., K, N] likewise, same leading (batch) dims and K.
         out_dtype: bfloat16 (default), float16 or float32.
 
     Returns:
         [..., M, N] in ``out_dtype``, accumulated in float32. The compact scales are swizzled to
-        the cuBLAS 128x4 layout right before the call. Works under ``jit`` and ``vmap``.
+        the cuBLAS 128x4 layout right before the call. Where the default CUDA device has compute
+        capability 10.x (:func:`jaxmx._src.backends.mx_k_first_untransposed`) a K-first
+        operand's codes go to cuBLASLt untransposed (only its small scale tensor is re-laid);
+        everywhere else (12.x, no GPU) its codes and scales are transposed to TN form first. The
+        CPU handler takes both layouts and gives the same bits. Works under ``jit``, ``vmap``
+        and SPMD partitioning.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -87,6 +97,9 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
         >>> b = jaxmx.quantize(jnp.ones((2, 5, 32)), "mxfp8_e5m2")
         >>> ffi.mx_matmul(a, b).shape
         (2, 3, 5)
+        >>> a_k_first = jaxmx.quantize(jnp.ones((2, 32, 3)), axis=1)  # [..., K, M]
+        >>> ffi.mx_matmul(a_k_first, b, jnp.float32)[0, 0].tolist()
+        [32.0, 32.0, 32.0, 32.0, 32.0]
     """
     a = _check_mx_operand(a, "a")
     b = _check_mx_operand(b, "b")
@@ -94,7 +107,20 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     check_gemm_pair(a, b, "mx_matmul")
     out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
     extension.register_targets()
-    return _mx_call(out_dtype)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
+    if not backends.mx_k_first_untransposed():
+        a, b = tn_form(a), tn_form(b)  # the all-TN path (sm_12x, CPU-only hosts)
+    k_first = (_k_first(a), _k_first(b))
+    return _mx_call(out_dtype, k_first)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
+
+
+def tn_form(q: MXArray) -> MXArray:
+    """``q`` in TN form ([..., rows, K] quantized along its last axis): a K-first operand has
+    its 1-byte codes and scales transposed."""
+    return swap_last_axes(q) if _k_first(q) else q
+
+
+def _k_first(q: MXArray) -> bool:
+    return q.axis == q.ndim - 2
 
 
 def _check_type_pair(a: MXArray, b: MXArray, fn: str) -> None:
@@ -108,17 +134,33 @@ def _check_type_pair(a: MXArray, b: MXArray, fn: str) -> None:
 
 
 def _check_mx_operand(q, name: str) -> MXArray:
-    return _check_tn_operand(q, name, "mx_matmul", NATIVE_FORMATS)
+    """``q`` checked as an MX operand: TN ([..., rows, K] blocked along its last axis) or K-first
+    ([..., K, rows] blocked along axis -2)."""
+    q = checked(q, f"mx_matmul: {name}")
+    _check_format(q, name, "mx_matmul", NATIVE_FORMATS)
+    if q.ndim < 2 or q.axis < q.ndim - 2:
+        raise ValueError(
+            f"mx_matmul: {name} must be [..., rows, K] quantized along its last axis (TN form) "
+            f"or [..., K, rows] quantized along axis -2 (K-first), got axis {q.axis} of logical "
+            f"shape {q.shape}"
+        )
+    k = ReducedAxis(q.data_axis, "K", "the contracting dimension")
+    check_block_alignment(q.data, "jaxmx.ffi.mx_matmul", name, (k,), q.format.block)
+    return q
 
 
-def _check_tn_operand(q, name: str, fn: str, formats: tuple[str, ...]) -> MXArray:
-    """``q`` checked as a TN operand ([..., rows, K] blocked along K) of one of ``formats``."""
-    q = checked(q, f"{fn}: {name}")
+def _check_format(q: MXArray, name: str, fn: str, formats: tuple[str, ...]) -> None:
     if q.fmt not in formats:
         raise NotImplementedError(
             f"{fn}: {name} is {q.fmt}, which this native GEMM does not support "
             f"(supported: {', '.join(formats)}); use the emulation backend"
         )
+
+
+def _check_tn_operand(q, name: str, fn: str, formats: tuple[str, ...]) -> MXArray:
+    """``q`` checked as a TN operand ([..., rows, K] blocked along K) of one of ``formats``."""
+    q = checked(q, f"{fn}: {name}")
+    _check_format(q, name, fn, formats)
     if q.ndim < 2 or q.axis != q.ndim - 1:
         raise ValueError(
             f"{fn}: {name} must be [..., rows, K] quantized along its last axis (TN form), "
@@ -132,37 +174,66 @@ def _check_tn_operand(q, name: str, fn: str, formats: tuple[str, ...]) -> MXArra
 
 def _zero_padding(q: MXArray) -> jax.Array:
     """The codes of ``q`` with any padding along K set to zero (whatever a hand-built one holds)."""
-    k = q.shape[-1]
-    if k == q.data.shape[-1]:
+    k = q.shape[q.axis]
+    if k == q.data.shape[q.data_axis]:
         return q.data
     codes = bits.as_bytes(q.data)
-    index = lax.broadcasted_iota(jnp.int32, codes.shape, codes.ndim - 1)
+    index = lax.broadcasted_iota(jnp.int32, codes.shape, q.data_axis)
     return bits.from_bytes(jnp.where(index < k, codes, 0).astype(jnp.uint8), q.data.dtype)
 
 
 @functools.cache
-def _mx_call(out_dtype):
+def _mx_call(out_dtype, k_first: tuple[bool, bool]):
     # vmap outside, SPMD partitioning inside: each device swizzles the scales of its own blocks.
-    # Jitted, so that eager calls hit a compiled-call cache instead of re-tracing.
+    # Jitted, so that eager calls hit a compiled-call cache instead of re-tracing. A K-first lhs
+    # cannot fold a vmapped batch into its rows (its last axis): the batch stays a batch.
     block = FORMATS[NATIVE_FORMATS[0]].block
-    gemm = partitioned_gemm(_mx_per_shard, out_dtype, "jaxmx.ffi.mx_matmul", block)
-    return jax.jit(vmappable(gemm, fold=(True, False, True, False)))
+    per_shard = functools.partial(_mx_per_shard, k_first=k_first)
+    gemm = partitioned_gemm(per_shard, out_dtype, "jaxmx.ffi.mx_matmul", block, k_first)
+    return jax.jit(vmappable(gemm, fold=None if k_first[0] else (True, False, True, False)))
 
 
 @functools.cache
-def _mx_per_shard(out_dtype):
+def _mx_per_shard(out_dtype, k_first: tuple[bool, bool] = (False, False)):
     """The custom call on (one device's) operands: swizzles the compact scales, then calls."""
 
     def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
-        b_data, b_scale, n = _pad_rows(b_data, b_scale, n_multiple)
+        if k_first[1]:
+            n = b_data.shape[-1]
+            b_data, b_scale = _k_first_operand(b_data, b_scale, n_multiple)
+        else:
+            b_data, b_scale, n = _pad_rows(b_data, b_scale, n_multiple)
+        if k_first[0]:
+            a_data, a_scale = _k_first_operand(a_data, a_scale, n_multiple)
         return (a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale)), n
 
     def impl(a_data, b_data, a_scale, b_scale):
         return _custom_call(
-            MX_TARGET, "mx_matmul", out_dtype, prepare, a_data, b_data, a_scale, b_scale
+            MX_TARGET,
+            "mx_matmul",
+            out_dtype,
+            prepare,
+            a_data,
+            b_data,
+            a_scale,
+            b_scale,
+            attributes={"lhs_k_first": k_first[0], "rhs_k_first": k_first[1]},
+            k_first=k_first,
         )
 
     return impl
+
+
+def _k_first_operand(data, scale, row_multiple: int):
+    """A K-first MX operand for the custom call: the codes [..., K, rows] stay untransposed,
+    their rows (the leading dimension cuBLASLt sees) padded with zero codes to ``row_multiple``;
+    the compact scales [..., K/32, rows] become [..., rows, K/32], padded alike.
+
+    That is the one re-laying a K-first operand needs: cuBLASLt indexes VEC32_UE8M0 scales by
+    (row of the operand, K-block) whatever the data layout (ffi/cublaslt_gemm.h).
+    """
+    pad = [(0, 0)] * (data.ndim - 1) + [(0, -data.shape[-1] % row_multiple)]
+    return jnp.pad(data, pad), jnp.pad(bits.as_bytes(scale), pad).swapaxes(-1, -2)
 
 
 def _pad_rows(data, scale, multiple: int):
@@ -501,20 +572,27 @@ def _fp8_call(out_dtype, fast_accum: bool):
 _PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES + 256, _N_MULTIPLE))
 
 
-def _custom_call(target: str, fn: str, out_dtype, prepare, *args, attributes=None) -> jax.Array:
+def _custom_call(
+    target: str, fn: str, out_dtype, prepare, *args, attributes=None, k_first=(False, False)
+) -> jax.Array:
     """``target`` on ``(a, b, a_scale, b_scale)`` with the custom call's ``attributes``, lowered
     per platform.
 
     ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
-    ``n_multiple``, and the number of output columns to keep. Platforms without a handler
-    (:func:`jaxmx._src.extension.handler_status`) get a branch that fails at lowering with
-    the reason.
+    ``n_multiple``, and the number of output columns to keep. ``k_first``: whether ``a`` and
+    ``b`` are [..., K, rows] instead of [..., rows, K] (the MX GEMM). Platforms without a
+    handler (:func:`jaxmx._src.extension.handler_status`) get a branch that fails at lowering
+    with the reason.
     """
+
+    def rows(x, k_first_operand: bool) -> int:
+        return x.shape[-1] if k_first_operand else x.shape[-2]
 
     def branch(workspace: int, n_multiple: int):
         def run(*args):
             operands, n = prepare(n_multiple, *args)
-            out_shape = (*operands[0].shape[:-1], operands[1].shape[-2])
+            out_shape = (*operands[0].shape[:-2], rows(operands[0], k_first[0]))
+            out_shape += (rows(operands[1], k_first[1]),)
             out, _ = jax.ffi.ffi_call(
                 target,
                 (
@@ -524,7 +602,7 @@ def _custom_call(target: str, fn: str, out_dtype, prepare, *args, attributes=Non
             )(*operands, **(attributes or {}))
             # the operands' rows, padded for cuBLASLt, sliced back; inside shard_map: varying
             # like the operands (ffi_call results are not)
-            return vary_like(out[..., : args[0].shape[-2], :n], *args)
+            return vary_like(out[..., : rows(args[0], k_first[0]), :n], *args)
 
         return run
 
@@ -538,7 +616,7 @@ def _custom_call(target: str, fn: str, out_dtype, prepare, *args, attributes=Non
         a, b = args[0], args[1]
         out = _unsupported_p.bind(
             *args,
-            shape=(*a.shape[:-1], b.shape[-2]),
+            shape=(*a.shape[:-2], rows(a, k_first[0]), rows(b, k_first[1])),
             dtype=out_dtype,
             fn=fn,
             handled=tuple(branches),

@@ -1,8 +1,9 @@
 """The native MX GEMM's SPMD partitioning rule (``jax.experimental.custom_partitioning``).
 
-:func:`partitioned_gemm` wraps a per-shard GEMM of TN operands so that XLA partitions it instead
-of gathering its operands: rows M of the lhs, rows N of the rhs and the batch dims stay sharded,
-K is sharded together with its K/32 scale blocks, and a sharded K ends in a float32 ``psum`` (or
+:func:`partitioned_gemm` wraps a per-shard GEMM of TN operands (or of K-first ones,
+``[..., K, rows]`` with scales ``[..., K/block, rows]``) so that XLA partitions it instead of
+gathering its operands: rows M of the lhs, rows N of the rhs and the batch dims stay sharded, K is
+sharded together with its K/32 scale blocks, and a sharded K ends in a float32 ``psum`` (or
 a ``psum_scatter`` when the result is wanted sharded along the same mesh axes). 8-bit codes and
 scales travel as ``uint8``. A K that would split a block raises :class:`BlockShardingError` from
 the rule. (The emulated GEMM is plain JAX, partitioned by XLA itself.)
@@ -41,11 +42,24 @@ from jaxmx._src.alignment import BlockShardingError, ReducedAxis, mesh_axes, mis
 # scales exactly like their codes. K and its blocks are not tied as the compound factor (kb 32):
 # Shardy would then split a mesh axis that does not divide K/32 into sub-axes, which the
 # partition callback cannot receive; as separate factors a misaligned K reaches the callback,
-# which raises BlockShardingError.
-_RULE = "... m k, ... n k, ... m kb, ... n kb -> ... m n"
+# which raises BlockShardingError. A K-first operand lists its factors the other way round.
 
 
-def partitioned_gemm(per_shard: Callable, out_dtype, where: str, block: int) -> Callable:
+def _rule(k_first: tuple[bool, bool]) -> str:
+    a, b = (
+        ("k m", "kb m") if k_first[0] else ("m k", "m kb"),
+        ("k n", "kb n") if k_first[1] else ("n k", "n kb"),
+    )
+    return f"... {a[0]}, ... {b[0]}, ... {a[1]}, ... {b[1]} -> ... m n"
+
+
+def partitioned_gemm(
+    per_shard: Callable,
+    out_dtype,
+    where: str,
+    block: int,
+    k_first: tuple[bool, bool] = (False, False),
+) -> Callable:
     """The GEMM ``per_shard(out_dtype)(a, b, a_scale, b_scale)``, partitioned by XLA (SPMD).
 
     Args:
@@ -56,6 +70,8 @@ def partitioned_gemm(per_shard: Callable, out_dtype, where: str, block: int) -> 
         out_dtype: the result dtype.
         where: the API name used in error messages.
         block: the quantization block along K.
+        k_first: per operand (a, b), whether it is K-first instead: ``[..., K, rows]`` with
+            scales ``[..., K/block, rows]``.
 
     On one device ``per_shard`` runs as is. Under a multi-device ``jit``, XLA calls the rule
     with the shardings it propagated and ``per_shard`` runs on each device's blocks.
@@ -65,14 +81,14 @@ def partitioned_gemm(per_shard: Callable, out_dtype, where: str, block: int) -> 
     def gemm(a, b, a_scale, b_scale):
         args = (a, b, a_scale, b_scale)
         dtypes = tuple(jnp.dtype(x.dtype) for x in args)
-        op = _partitioned(per_shard, out_dtype, dtypes, where, block)
+        op = _partitioned(per_shard, out_dtype, dtypes, where, block, tuple(k_first))
         return op(*(bits.as_bytes(x) if x.dtype in bits.BYTE_DTYPES else x for x in args))
 
     return gemm
 
 
 @functools.cache
-def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int):
+def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int, k_first):
     def local(dtype, args):
         return per_shard(dtype)(*(bits.from_bytes(x, t) for x, t in zip(args, dtypes, strict=True)))
 
@@ -81,7 +97,7 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int)
         return local(out_dtype, (a, b, a_scale, b_scale))
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _plan(mesh, arg_shapes, result_shape, where, block)
+        plan = _plan(mesh, arg_shapes, result_shape, where, block, k_first)
 
         def lower(a, b, a_scale, b_scale):
             args = (a, b, a_scale, b_scale)
@@ -98,12 +114,12 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int)
         return mesh, lower, plan.result_sharding, plan.arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD propagation (Shardy uses the rule)
-        return _plan(mesh, arg_shapes, result_shape, where, block).result_sharding
+        return _plan(mesh, arg_shapes, result_shape, where, block, k_first).result_sharding
 
     gemm.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=_RULE,
+        sharding_rule=_rule(k_first),
         reduction_factors=("k", "kb"),
         # Shardings reach the rule undecoded: a scale tensor split into mesh sub-axes (K/32 not
         # divisible by the shard count, i.e. a misaligned K) cannot become a NamedSharding, and
@@ -122,15 +138,18 @@ class _Plan:
     result_sharding: NamedSharding
 
 
-def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
+def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False, False)) -> _Plan:
     """Consistent shardings for the four operands and the result, from the propagated ones.
 
     Each mesh axis is used once: batch dims first (from the lhs, else the rhs), then the lhs rows
     M, the rhs rows N (so a weight sharded like the activations' rows is gathered, FSDP style),
-    then K (from the lhs, else the rhs). The scales follow their data.
+    then K (from the lhs, else the rhs). The scales follow their data (a K-first operand and its
+    scales have rows and K the other way round).
     """
     a, b = arg_shapes[0], arg_shapes[1]
     nb = len(a.shape) - 2
+    # the dims of (rows, K) in each operand
+    (a_rows, a_k), (b_rows, b_k) = ((nb + 1, nb) if f else (nb, nb + 1) for f in k_first)
     a_spec, b_spec = _spec_of(a, mesh, where, block), _spec_of(b, mesh, where, block)
     used: set[str] = set()
 
@@ -143,13 +162,13 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
         return ()
 
     batch = [take(a_spec[i], b_spec[i]) for i in range(nb)]
-    m = take(a_spec[nb])
-    n = take(b_spec[nb])
-    k = take(a_spec[nb + 1], b_spec[nb + 1])
+    m = take(a_spec[a_rows])
+    n = take(b_spec[b_rows])
+    k = take(a_spec[a_k], b_spec[b_k])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    k_size, k_shards = a.shape[nb + 1], math.prod(sizes[x] for x in k)
+    k_size, k_shards = a.shape[a_k], math.prod(sizes[x] for x in k)
     if k and k_size % (block * k_shards):
-        axis = ReducedAxis(nb + 1, "K", "the contracting dimension")
+        axis = ReducedAxis(a_k, "K", "the contracting dimension")
         raise BlockShardingError(
             misaligned_message(where, "the lhs", axis, k_size, k, k_shards, block)
         )
@@ -171,7 +190,8 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int) -> _Plan:
     def named(*entries):
         return NamedSharding(mesh, P(*(e if e else None for e in entries)))
 
-    a_sh, b_sh = named(*batch, m, k), named(*batch, n, k)
+    a_sh = named(*batch, k, m) if k_first[0] else named(*batch, m, k)
+    b_sh = named(*batch, k, n) if k_first[1] else named(*batch, n, k)
     return _Plan(
         k=k,
         reduce=reduce,

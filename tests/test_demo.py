@@ -193,5 +193,5 @@ def test_demo_flag_errors():
         main(["--layers", "2", "--keep-last", "3"])
     with pytest.raises(SystemExit, match="--ablate does not combine with --diagnose"):
         main(["--ablate", "--diagnose", "--steps", "1"])
-    with pytest.raises(SystemExit, match="--diagnose records the telemetry of MX GEMMs"):
-        main(["--recipe", "nvfp4", "--diagnose", "--steps", "1"])
+    with pytest.raises(SystemExit, match="--diagnose records the telemetry of MX and NVFP4"):
+        main(["--recipe", "deepseek_fp8", "--diagnose", "--steps", "1"])

@@ -110,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--seeds must be >= 0 and --diagnose-every >= 1")
     if args.ablate and (args.diagnose or args.seeds):
         raise SystemExit("--ablate does not combine with --diagnose or --seeds")
-    if args.diagnose and not all(FORMATS[f].is_mx for f in (recipe.fwd, recipe.grad)):
+    formats = [FORMATS[f] for f in (recipe.fwd, recipe.grad)]
+    if args.diagnose and not all(f.is_mx or f.has_global_scale for f in formats):
         raise SystemExit(
-            f"--diagnose records the telemetry of MX GEMMs (E8M0 scales); --recipe {args.recipe} "
+            f"--diagnose records the telemetry of MX and NVFP4 GEMMs; --recipe {args.recipe} "
             f"uses {recipe.fwd} / {recipe.grad}"
         )
     diagnose_every = 0

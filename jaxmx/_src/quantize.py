@@ -262,7 +262,7 @@ def quantize_rowwise_colwise(
     if not f.is_mx:
         impl = _xla_only(impl, f.name)
         if swizzled_scales:
-            raise ValueError(f"swizzled_scales is the MX scale layout; {f.name} has none")
+            raise ValueError(f"swizzled_scales covers the MX formats (E8M0 scales), not {f.name}")
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     row_key = col_key = None

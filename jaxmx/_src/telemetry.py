@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmx._src.diagnostics import block_stats
-from jaxmx._src.hadamard import rht
 from jaxmx._src.formats import get_format
+from jaxmx._src.hadamard import rht
 
 
 class LegStats(NamedTuple):

@@ -80,7 +80,7 @@ def test_block_stats_equal_the_definitions(fmt, mode, axis):
 def reference_nvfp4_stats(x: np.ndarray) -> dict:
     """NVFP4 block statistics along the last axis from the definitions: the elements scaled by
     ``r = (1 / g) / s`` in numpy float32, decoded values from the NVFP4 reference."""
-    codes, scale, g, decoded = ref.nvfp4(x)
+    _, scale, g, decoded = ref.nvfp4(x)
     s = scale.astype(np.float32)
     n = x.shape[-1]
     out = {k: np.zeros(s.shape) for k in ("amax", "span", "under", "flushed", "sat", "sqnr")}
@@ -154,7 +154,7 @@ def test_summary():
 def test_bad_input():
     with pytest.raises(ValueError, match="unknown MX format"):
         jaxmx.diagnostics.block_stats(jnp.ones(32), "mxfp6")
-    with pytest.raises(ValueError, match="covers the MX formats .* and NVFP4, not fp8_e4m3"):
+    with pytest.raises(ValueError, match=r"covers the MX formats .* and NVFP4, not fp8_e4m3"):
         jaxmx.diagnostics.block_stats(jnp.ones(32), "fp8_e4m3_block")
     with pytest.raises(ValueError, match="unknown scale_mode 'rceil' for nvfp4"):
         jaxmx.diagnostics.block_stats(jnp.ones(32), "nvfp4", scale_mode="rceil")

@@ -59,6 +59,16 @@ def adversarial(seed=0) -> np.ndarray:
     return x  # 200 = 6 blocks and a partial one of 8: padding never counts
 
 
+def assert_stats_equal(got, want: dict) -> None:
+    """BlockStats ``got`` against a reference's per-block arrays."""
+    np.testing.assert_array_equal(got.scale_exp, want["scale_exp"])
+    np.testing.assert_array_equal(got.amax, want["amax"].astype(np.float32))
+    for name, key in (("underflow", "under"), ("flushed", "flushed"), ("saturated", "sat")):
+        np.testing.assert_allclose(getattr(got, name), want[key], rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got.span_ratio, want["span"], rtol=1e-4)
+    np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("axis", [1, 0])
@@ -69,12 +79,7 @@ def test_block_stats_equal_the_definitions(fmt, mode, axis):
         jnp.asarray(x), fmt, axis, mode
     )
     want = reference_stats(x, fmt, axis, mode)
-    np.testing.assert_array_equal(got.scale_exp, want["scale_exp"])
-    np.testing.assert_array_equal(got.amax, want["amax"].astype(np.float32))
-    for name, key in (("underflow", "under"), ("flushed", "flushed"), ("saturated", "sat")):
-        np.testing.assert_allclose(getattr(got, name), want[key], rtol=1e-6, err_msg=name)
-    np.testing.assert_allclose(got.span_ratio, want["span"], rtol=1e-4)
-    np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
+    assert_stats_equal(got, want)
 
 
 def reference_nvfp4_stats(x: np.ndarray) -> dict:
@@ -114,12 +119,7 @@ def test_nvfp4_block_stats_equal_the_definitions(scale):
     x = (x.astype(np.float64) * scale).astype(np.float32)  # 2^-130: subnormal elements
     got = jax.jit(jaxmx.diagnostics.block_stats, static_argnums=1)(jnp.asarray(x), "nvfp4")
     want = reference_nvfp4_stats(x)
-    np.testing.assert_array_equal(got.scale_exp, want["scale_exp"])
-    np.testing.assert_array_equal(got.amax, want["amax"].astype(np.float32))
-    for name, key in (("underflow", "under"), ("flushed", "flushed"), ("saturated", "sat")):
-        np.testing.assert_allclose(getattr(got, name), want[key], rtol=1e-6, err_msg=name)
-    np.testing.assert_allclose(got.span_ratio, want["span"], rtol=1e-4)
-    np.testing.assert_allclose(got.sqnr_db, want["sqnr"], rtol=1e-4, atol=1e-3)
+    assert_stats_equal(got, want)
     assert float(np.nanmax(got.saturated)) > 0  # E4M3-rounded block scales can saturate
 
 

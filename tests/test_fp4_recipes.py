@@ -12,9 +12,12 @@ DIMS = (((1,), (1,)), ((), ()))
 
 
 def units(q) -> np.ndarray:
-    """float64 ``code * s`` of an NVFP4 MXArray blocked along its last axis (numpy decode)."""
+    """float64 ``code * s`` of an NVFP4 MXArray blocked along its last axis, in 1-D blocks or
+    16x16 tiles (numpy decode)."""
     codes = np.asarray(q.data).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     s = np.asarray(q.scale).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    if q.tile is not None:
+        s = np.repeat(s, 16, axis=-2)
     return codes * np.repeat(s, 16, axis=-1)
 
 
@@ -40,18 +43,12 @@ def test_emulated_gemm_on_random_operands():
     x = rng.standard_normal((24, 72)).astype(np.float32) * 2.0 ** rng.integers(-10, 10, (24, 1))
     w = rng.standard_normal((40, 72)).astype(np.float32)
     qa, qb = jaxmx.quantize(x, "nvfp4"), jaxmx.quantize(w, "nvfp4", tile=(16, 16))
-    ua, ub = units(qa)[:, :72], np.repeat(units_tiled(qb), 1, axis=0)[:40, :72]
+    ua, ub = units(qa)[:, :72], units(qb)[:40, :72]
     products = np.abs(ua) @ np.abs(ub).T
     alpha = float(np.float32(qa.global_scale) * np.float32(qb.global_scale))
     want = alpha * (ua @ ub.T)
     got = np.asarray(jaxmx.matmul(qa, qb, jnp.float32))
     np.testing.assert_array_less(np.abs(got - want), alpha * products * 2.0**-20 + 1e-30)
-
-
-def units_tiled(q) -> np.ndarray:
-    codes = np.asarray(q.data).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
-    s = np.asarray(q.scale).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return codes * np.repeat(np.repeat(s, 16, axis=0), 16, axis=1)
 
 
 def test_nan_block_gives_nan_rows():

@@ -154,7 +154,7 @@ def block_stats(
     # values in those units.
     codes = decode_elements(q.data, f).reshape(xb.shape)
     if f.has_global_scale:
-        s = bits.decode_fp8(bits.as_bytes(q.scale), 3, -6, False).reshape(block_shape)
+        s = nvfp4.block_scales(q.scale).reshape(block_shape)
         g = q.global_scale
         is_nan_scale = jnp.isnan(s)
         effective = bits.multiply_exact(s, g)  # the block's scale s * g

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src import bits
+from jaxmx._src import bits, nvfp4
 from jaxmx._src.fake_quantize import GridArray, element_values
 from jaxmx._src.mxarray import MXArray
 from jaxmx._src.quantize import scale_exponent_bytes
@@ -97,7 +97,7 @@ def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
     values = element_values(q).reshape(blocked)
     if f.has_global_scale:
-        s = bits.decode_fp8(bits.as_bytes(q.scale), 3, -6, ieee_specials=False)
+        s = nvfp4.block_scales(q.scale)
         scaled = values * jnp.expand_dims(s, k + 1)
         row_max = jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
         return _without_padding(scaled, q, blocked).reshape(data.shape).astype(dtype), row_max

@@ -76,12 +76,18 @@ def quantize_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
     s = jnp.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
     scale_codes = bits.encode_fp8(s, mbits=3, emin=-6)
-    s = bits.decode_fp8(scale_codes, mbits=3, emin=-6, ieee_specials=False)
+    s = block_scales(scale_codes)
     scaled = scaled_elements(xb, s, g)
     values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
     codes = jnp.where(jnp.isnan(s), 0.0, values).astype(f.dtype)
     scale = lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
     return codes, scale, g
+
+
+def block_scales(scale: jax.Array) -> jax.Array:
+    """float32 values of E4M3 block scales (``float8_e4m3fn`` or their ``uint8`` bytes),
+    exactly; NaN for the NaN code."""
+    return bits.decode_fp8(bits.as_bytes(scale), mbits=3, emin=-6, ieee_specials=False)
 
 
 def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:

@@ -201,7 +201,7 @@ def _scaled(values, scale, q: MXArray) -> jax.Array:
     if q.format.is_mx:  # exact, subnormal results included
         return scale_back(values, scale_exponent_bytes(scale))
     if q.format.has_global_scale:  # code * s: exact
-        return values * bits.decode_fp8(bits.as_bytes(scale), 3, -6, ieee_specials=False)
+        return values * nvfp4.block_scales(scale)
     return values * scale  # block FP8: a float32 product
 
 

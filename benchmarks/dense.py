@@ -2,7 +2,8 @@
 
 Prints, per size, the median step time of jaxmx (each requested backend) as a ratio to the same
 layer with ``lax.dot_general`` in bfloat16 and in float32, all measured in this run (medians of
-interleaved repeats: one call of each variant per round).
+interleaved repeats: one call of each variant per round), and each step's minor page faults
+(see benchmarks/timing.py; ``--malloc pooled`` keeps freed memory in the process).
 
     python benchmarks/dense.py --sizes 1024 2048 --backends emulate
 """
@@ -10,12 +11,12 @@ interleaved repeats: one call of each variant per round).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from timing import MALLOC_CHOICES, interleaved_medians, malloc_setting, use_malloc
 
 import jaxmx
 
@@ -33,31 +34,26 @@ def layer_step(dot_general, dtype):
     return jax.jit(lambda x, w, ct: grad(x.astype(dtype), w.astype(dtype), ct))
 
 
-def median_seconds(fns: dict, args, repeats: int) -> dict:
-    """Median seconds per function over ``repeats`` rounds of one call each (interleaved, so that
-    drift in the machine's load hits all of them alike), after a compiling warm-up call."""
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--backends", nargs="+", default=["emulate"])
     parser.add_argument("--dtype", default="bfloat16", help="jaxmx input dtype")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--malloc", choices=MALLOC_CHOICES, default="default")
     args = parser.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    use_malloc(args.malloc)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({os.cpu_count()} cores); "
+        f"medians of {args.repeats} interleaved repeats; malloc {malloc_setting()}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(
         f"{'M=N=K':>6} {'f32 ms':>9} {'bf16 ms':>9}  "
         + "  ".join(f"{b + ' ms':>12} {'/f32':>6} {'/bf16':>6}" for b in args.backends)
+        + "  faults/step (f32, bf16, "
+        + ", ".join(args.backends)
+        + ")"
     )
     for n in args.sizes:
         keys = jax.random.split(jax.random.key(n), 3)
@@ -77,11 +73,13 @@ def main() -> None:
                 )
 
             fns[backend] = layer_step(mx, jnp.dtype(args.dtype))
-        t = median_seconds(fns, (x, w, ct), args.repeats)
-        row = f"{n:>6} {t['f32'] * 1e3:>9.1f} {t['bf16'] * 1e3:>9.1f}  "
+        t = interleaved_medians(fns, (x, w, ct), args.repeats)
+        row = f"{n:>6} {t['f32'].seconds * 1e3:>9.1f} {t['bf16'].seconds * 1e3:>9.1f}  "
         for backend in args.backends:
-            tb = t[backend]
-            row += f"{tb * 1e3:>12.1f} {tb / t['f32']:>6.2f} {tb / t['bf16']:>6.2f}  "
+            tb = t[backend].seconds
+            row += f"{tb * 1e3:>12.1f} {tb / t['f32'].seconds:>6.2f} "
+            row += f"{tb / t['bf16'].seconds:>6.2f}  "
+        row += ", ".join(f"{t[name].faults:.0f}" for name in fns)
         print(row, flush=True)
 
 

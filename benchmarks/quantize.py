@@ -4,19 +4,22 @@ For each N, on an [N, N] bfloat16 tensor, times (jitted, medians over interleave
 
 - ``copy``: ``x * 2`` (read bf16, write bf16), a device-to-device copy of the input that XLA
   cannot elide: the bandwidth to compare with;
-- ``quantize``: one MX copy (default E4M3, rceil) along the last axis;
+- ``quantize``: one copy along the last axis, in each format of ``--formats`` (default
+  ``mxfp8_e4m3``; its default scale rule unless ``--scale-mode``);
 - ``row+col``: ``quantize_rowwise_colwise``, both copies (the second one physically transposed);
 
 each with every implementation asked for (``--impls``; default ``xla`` and ``pallas`` on a GPU,
 ``xla`` elsewhere: on the CPU the Pallas kernels run interpreted, which is for tests, not speed).
 Each is printed as median wall milliseconds, GB/s of the bytes that must move (input read once;
-data + scales written; E2M1 counted packed) and that bandwidth as a fraction of the copy's. The
+data + scales written: 1 byte per E4M3 / E5M2 element, 1/2 per E2M1 element (packed), 1 byte
+per E8M0 or E4M3 scale, 4 per float32 scale) and that bandwidth as a fraction of the copy's. The
 process CPU time (all threads) is printed too: on a shared machine it is less sensitive to other
 jobs than wall time.
 
 Usage:
     python benchmarks/quantize.py                       # 4096 x 4096
     python benchmarks/quantize.py --sizes 1024 2048 4096 8192 --repeats 20
+    python benchmarks/quantize.py --formats mxfp8_e4m3 mxfp4 nvfp4 fp8_e4m3_block
     python benchmarks/quantize.py --breakdown             # plus the pieces of the cost (XLA)
     python benchmarks/quantize.py --fake                  # plus fake_quantize vs dq(q(x))
 """
@@ -52,11 +55,20 @@ def _time_interleaved(fns: dict, x, warmup: int, repeats: int):
     return {k: med(v) for k, v in wall.items()}, {k: med(v) for k, v in cpu.items()}
 
 
+def _element_bytes(f) -> float:
+    return f.bits / 8
+
+
+def _copy_bytes(f, size: int) -> float:
+    """Bytes written by one quantized copy of ``size`` elements: codes and block scales."""
+    return size * _element_bytes(f) + size / f.block * f.scale_dtype.itemsize
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096])
-    parser.add_argument("--fmt", default="mxfp8_e4m3")
-    parser.add_argument("--scale-mode", default="rceil")
+    parser.add_argument("--formats", nargs="+", default=["mxfp8_e4m3"], choices=list(jaxmx.FORMATS))
+    parser.add_argument("--scale-mode", help="the scale rule (default: each format's own)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument(
@@ -68,27 +80,34 @@ def main() -> None:
     parser.add_argument(
         "--fake",
         action="store_true",
-        help="also time fake_quantize and dequantize(quantize(x)) (the same float32 values)",
+        help="also time fake_quantize and dequantize(quantize(x)) (the same float32 values; "
+        "the first format)",
     )
     parser.add_argument(
         "--breakdown",
         action="store_true",
         help="also time the pieces: block amax, saturating fp8 cast, bf16 transpose, quantize "
-        "along axis 0 (no transpose), quantize of x.reshape(N, N/32, 32) (same bytes)",
+        "along axis 0 (no transpose), quantize of x.reshape(N, N/32, 32) (same bytes); the "
+        "first format",
     )
     args = parser.parse_args()
 
-    fmt, mode = args.fmt, args.scale_mode
+    mode = args.scale_mode
     impls = args.impls or (["xla", "pallas"] if jax.default_backend() == "gpu" else ["xla"])
     fns = {"copy": jax.jit(lambda x: x * 2)}
-    for impl in impls:
-        fns[f"quantize {impl}"] = jax.jit(
-            lambda x, impl=impl: jaxmx.quantize(x, fmt, axis=-1, scale_mode=mode, impl=impl)
-        )
-        fns[f"row+col {impl}"] = jax.jit(
-            lambda x, impl=impl: jaxmx.quantize_rowwise_colwise(x, fmt, mode, impl=impl)
-        )
-    elem_bytes = 0.5 if fmt == "mxfp4" else 1.0
+    for fmt in args.formats:
+        for impl in impls:
+            fns[f"{fmt} {impl}"] = jax.jit(
+                lambda x, fmt=fmt, impl=impl: jaxmx.quantize(
+                    x, fmt, axis=-1, scale_mode=mode, impl=impl
+                )
+            )
+            fns[f"{fmt} row+col {impl}"] = jax.jit(
+                lambda x, fmt=fmt, impl=impl: jaxmx.quantize_rowwise_colwise(
+                    x, fmt, mode, impl=impl
+                )
+            )
+    fmt = args.formats[0]
     dtype = jaxmx.FORMATS[fmt].dtype
     elem_max = jaxmx.FORMATS[fmt].elem_max
     if args.fake:
@@ -97,24 +116,27 @@ def main() -> None:
             "dq(q(x))": jax.jit(lambda x: jaxmx.dequantize(jaxmx.quantize(x, fmt, -1, mode))),
         }
     if args.breakdown:
+        block = jaxmx.FORMATS[fmt].block
         fns |= {
-            "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, 32)), -1)),
+            "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, block)), -1)),
             "cast": jax.jit(lambda x: jnp.clip(x, -elem_max, elem_max).astype(dtype)),
             "x.T": jax.jit(lambda x: x.T),
             "q axis 0": jax.jit(lambda x: jaxmx.quantize(x, fmt, 0, mode, impl="xla")),
             "q 3-D": jax.jit(
-                lambda x: jaxmx.quantize(x.reshape(x.shape[0], -1, 32), fmt, -1, mode, impl="xla")
+                lambda x: jaxmx.quantize(
+                    x.reshape(x.shape[0], -1, block), fmt, -1, mode, impl="xla"
+                )
             ),
         }
 
     dev = jax.devices()[0]
     print(
         f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}, {os.cpu_count()} cores), "
-        f"{fmt} {mode}, bfloat16 [N, N] input; medians of {args.repeats} interleaved repeats "
+        f"scale rule {mode or 'per format'}, bfloat16 [N, N] input; medians of {args.repeats} interleaved repeats "
         f"after {args.warmup} warmups; load average {os.getloadavg()[0]:.1f}"
     )
     header = (
-        f"| {'N':>5} | {'op':<15} | {'wall ms':>8} | {'GB/s':>7} | {'x copy GB/s':>11} "
+        f"| {'N':>5} | {'op':<27} | {'wall ms':>8} | {'GB/s':>7} | {'x copy GB/s':>11} "
         f"| {'cpu ms':>8} |"
     )
     print(header)
@@ -123,25 +145,26 @@ def main() -> None:
         x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
         wall, cpu = _time_interleaved(fns, x, args.warmup, args.repeats)
         size = n * n
-        one_copy = size * elem_bytes + size / 32  # data + E8M0 scales
+        first = _copy_bytes(jaxmx.FORMATS[fmt], size)
         moved = {
             "copy": 2 * size + 2 * size,
-            "amax": 2 * size + size / 32 * 2,
-            "cast": 2 * size + size * elem_bytes,
+            "amax": 2 * size + size / block * 2 if args.breakdown else 0,
+            "cast": 2 * size + size * _element_bytes(jaxmx.FORMATS[fmt]),
             "x.T": 2 * size + 2 * size,
-            "q axis 0": 2 * size + one_copy,
-            "q 3-D": 2 * size + one_copy,
+            "q axis 0": 2 * size + first,
+            "q 3-D": 2 * size + first,
             "fake_quantize": 2 * size + 4 * size,  # read bf16, write float32
             "dq(q(x))": 2 * size + 4 * size,
         }
-        for impl in impls:
-            moved[f"quantize {impl}"] = 2 * size + one_copy
-            moved[f"row+col {impl}"] = 2 * size + 2 * one_copy
+        for f in args.formats:
+            for impl in impls:
+                moved[f"{f} {impl}"] = 2 * size + _copy_bytes(jaxmx.FORMATS[f], size)
+                moved[f"{f} row+col {impl}"] = 2 * size + 2 * _copy_bytes(jaxmx.FORMATS[f], size)
         copy_rate = moved["copy"] / wall["copy"]
         for name in fns:
             rate = moved[name] / wall[name]
             print(
-                f"| {n:>5} | {name:<15} | {wall[name] * 1e3:>8.3f} | {rate / 1e9:>7.1f} "
+                f"| {n:>5} | {name:<27} | {wall[name] * 1e3:>8.3f} | {rate / 1e9:>7.1f} "
                 f"| {rate / copy_rate:>11.2f} | {cpu[name] * 1e3:>8.2f} |"
             )
 

@@ -69,8 +69,8 @@ over an axis of a tile)."""
 
 # The XLA quantizers put a division's operand behind an optimization barrier, or XLA divides
 # by multiplying with a rounded reciprocal. Triton divides as written; Pallas' Triton lowering
-# has no rule for the barrier, which lowers to its operands there.
-triton_lowering.register_lowering(optimization_barrier_p)(lambda ctx, *args: args)
+# has no rule for the barrier (jax 0.10), which lowers to its operands there.
+triton_lowering.triton_lowering_rules.setdefault(optimization_barrier_p, lambda ctx, *a: a)
 
 
 def quantize(x, f: Format, axis: int, scale_mode: str, key, tile, g, *, interpret: bool):
@@ -94,8 +94,7 @@ def quantize(x, f: Format, axis: int, scale_mode: str, key, tile, g, *, interpre
     elif tile is None:  # the XLA quantizer's draws, [outer, n_blocks, block, inner]
         noise = uniform_noise(key, (outer, -(-size // f.block), f.block, inner)).reshape(padded)
     else:  # drawn for tiles(x), [outer, n_tiles, rows * cols, 1]
-        draws = uniform_noise(key, (n, rows * cols, math.prod(tile), 1))
-        noise = untile(draws, padded, tile)
+        noise = untile(uniform_noise(key, (n, rows * cols, math.prod(tile), 1)), padded, tile)
 
     def run(v, draws):
         draws = None if draws is None else pad_to_tiles(draws)

@@ -273,22 +273,8 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
     """(codes [T, T], scales [T/r, T/c] (see :func:`quantize_2d`)) of a tile, one scale per
     ``block`` ``(r, c)``; ``noise``: draws shaped like the tile, or None; ``g``: NVFP4's tensor
     scale as a [1, 1] array."""
-    t0, t1 = v.shape
-    r, c = block
-    if r == 1:  # blocks along the rows
-        as_blocks, unblocked = (
-            (lambda e: e.reshape(t0, t1 // c, c, 1)),
-            (lambda e: e.reshape(t0, t1)),
-        )
-    elif c == 1:  # blocks along the columns
-        as_blocks, unblocked = (
-            (lambda e: e.reshape(1, t0 // r, r, t1)),
-            (lambda e: e.reshape(t0, t1)),
-        )
-    else:  # 2-D tiles, each one block: [1, n_tiles, r * c, 1]
-        as_blocks, unblocked = (lambda e: tiles(e, block)), (lambda e: untile(e, (t0, t1), block))
-    xb = as_blocks(bits.upcast_exact(v))
-    draws = None if noise is None else as_blocks(noise)
+    xb = _as_blocks(bits.upcast_exact(v), block)
+    draws = None if noise is None else _as_blocks(noise, block)
     if f.is_mx:
         scale, values = scaled_blocks(xb, f, scale_mode, draws)
         scale = scale.astype(jnp.uint8)
@@ -302,7 +288,25 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
         codes = bits.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True)
     else:  # on the grid: the cast is exact
         codes = on_grid.astype(f.dtype)
-    return unblocked(codes), scale.reshape(t0 // r, t1 // c)
+    (t0, t1), (r, c) = v.shape, block
+    return _from_blocks(codes, v.shape, block), scale.reshape(t0 // r, t1 // c)
+
+
+def _as_blocks(e, block):
+    """A [T, T] tile as the per-block quantizers take it (``[outer, n_blocks, block, inner]``):
+    [T, T/c, c, 1] for blocks ``(1, c)`` along the rows, [1, T/r, r, T] for ``(r, 1)`` along the
+    columns, :func:`~jaxmx._src.quantize.tiles`' [1, n_tiles, r * c, 1] for 2-D tiles."""
+    (t0, t1), (r, c) = e.shape, block
+    if r == 1:
+        return e.reshape(t0, t1 // c, c, 1)
+    if c == 1:
+        return e.reshape(1, t0 // r, r, t1)
+    return tiles(e, block)
+
+
+def _from_blocks(e, shape, block):
+    """The inverse of :func:`_as_blocks` for a tile of ``shape``."""
+    return e.reshape(shape) if 1 in block else untile(e, shape, block)
 
 
 def _scalar_input(g) -> list:

@@ -113,8 +113,8 @@ def quantize(
         args = (f, axis, scale_mode, key, tile, global_scale)
         return shaped(*pallas_quantize.quantize(x, *args, interpret=interpret))
 
-    if tile is not None:
-        impl = _xla_only(impl, tile)
+    if tile is not None and impl == "pallas":
+        _check_pallas_tile(tile)
     data, scale, g = dispatch(impl, xla, pallas, x)
     return MXArray(
         data=data,
@@ -144,16 +144,15 @@ def _checked_tile(tile, ndim: int, axis: int) -> tuple[int, int] | None:
     return tile
 
 
-def _xla_only(impl: str, tile: tuple[int, int]) -> str:
-    """``impl``, or an error where ``impl="pallas"`` meets a tile the kernels do not cover (a
-    side that does not divide their 128 x 128 tile)."""
+def _check_pallas_tile(tile: tuple[int, int]) -> None:
+    """A ValueError for a tile the Pallas kernels do not cover: a side that does not divide
+    their 128 x 128 tile."""
     from jaxmx._src.pallas_quantize import TILE  # it builds on this module
 
-    if impl == "pallas" and any(TILE % n for n in tile):
+    if any(TILE % n for n in tile):
         raise ValueError(
             f"impl='pallas' covers tiles whose sides divide {TILE}, not {tile}; use impl='xla'"
         )
-    return impl
 
 
 def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
@@ -426,11 +425,11 @@ def uniform_noise(key, shape) -> jax.Array | None:
 
 
 def _quantize_blocks(xb, f: Format, scale_mode: str, noise):
-    if not f.is_mx:
+    if f.is_mx:
+        byte, values = scaled_blocks(xb, f, scale_mode, noise)
+        scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    else:
         scale, values = float32_scaled_blocks(xb, f, scale_mode, noise)
-        return encode(values, f), jnp.squeeze(scale, axis=2)
-    byte, values = scaled_blocks(xb, f, scale_mode, noise)
-    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return encode(values, f), jnp.squeeze(scale, axis=2)
 
 

@@ -21,6 +21,7 @@ from test_nvfp4 import adversarial as nvfp4_adversarial
 from test_quantize import CORPUS, FORMATS, MODES
 
 import jaxmx
+from jaxmx._src import native
 from jaxmx._src import quantize as quantize_module
 
 ALL = [(f, m) for f in FORMATS for m in MODES]
@@ -170,6 +171,9 @@ def test_nvfp4_rowwise_colwise_swizzled(scale_exponent):
         want = ref.swizzle(np.asarray(q.scale).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(buf), want)
         assert want.shape == (256 * 12,)
+        # the layout the native FP4 GEMM hands cuBLASLt (its scales, K padded to 32, swizzled)
+        fed = jaxmx.swizzle_scales(native._fp4_scales(q))
+        np.testing.assert_array_equal(np.asarray(buf), np.asarray(fed))
     key = jax.random.key(6)
     _both(jaxmx.quantize_rowwise_colwise, x[:40], "nvfp4", key=key, swizzled_scales=True)
 

@@ -129,8 +129,6 @@ def test_errors():
         jaxmx.quantize(jnp.ones(32), "nvfp4", global_scale=jnp.ones(2))
     with pytest.raises(ValueError, match="unknown scale_mode"):
         jaxmx.quantize(jnp.ones(32), "nvfp4", scale_mode="rceil")
-    with pytest.raises(ValueError, match="impl='pallas'"):
-        jaxmx.quantize(jnp.ones(32), "nvfp4", impl="pallas")
     q = jaxmx.quantize(jnp.ones(32), "nvfp4")
     with pytest.raises(ValueError, match="needs its float32 global_scale"):
         jaxmx.dequantize(jaxmx.MXArray(q.data, q.scale, "nvfp4", 0, (32,)))

@@ -28,9 +28,11 @@ def test_swizzle_matches_reference_formula(shape):
     np.testing.assert_array_equal(buf, want)
     rows, cols = shape[-2:]
     assert (buf != 0).sum() == s.size  # every padding byte is zero
-    # E8M0 input gives the same bytes
+    # E8M0 (and E4M3) input gives the same bytes
     e8 = jnp.asarray(s.view(ml_dtypes.float8_e8m0fnu))
     np.testing.assert_array_equal(np.asarray(jaxmx.swizzle_scales(e8)), want)
+    e4 = jnp.asarray(s.view(ml_dtypes.float8_e4m3fn))  # NVFP4's block scales
+    np.testing.assert_array_equal(np.asarray(jaxmx.swizzle_scales(e4)), want)
     # unswizzle: inverse, and the reference's gather
     unsw = jax.jit(jaxmx.unswizzle_scales, static_argnums=(1, 2))(jnp.asarray(buf), rows, cols)
     assert unsw.dtype == jnp.float8_e8m0fnu and unsw.shape == shape

@@ -68,6 +68,16 @@ def quantize_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values)
     ``round_values(v)`` may round the scaled elements before clipping (stochastic rounding);
     the identity leaves them to the encoder's round to nearest even.
     """
+    scale_codes, values, g = scaled_blocks(xb, f, g, round_values)
+    scale = lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
+    return values.astype(f.dtype), scale, g
+
+
+def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
+    """``(E4M3 scale bytes [outer, n_blocks, 1, inner] uint8, elements, g)``: the elements of
+    :func:`quantize_blocks` before their cast to E2M1 (in units of their block scale, clipped
+    to ``±6``, zero in a block whose scale is NaN; not yet rounded unless ``round_values``
+    rounds them)."""
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
     block_amax_bits = jnp.max(magnitude_bits, axis=2, keepdims=True)
     if g is None:
@@ -75,13 +85,13 @@ def quantize_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values)
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
     s = jnp.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
-    scale_codes = bits.encode_fp8(s, mbits=3, emin=-6)
+    # s >= 2^-6 is never an E4M3 subnormal: only subnormals would be rounded by `round` (which
+    # Pallas' Triton lowering lacks)
+    scale_codes = bits.encode_fp8(s, mbits=3, emin=-6, on_grid=True)
     s = block_scales(scale_codes)
     scaled = scaled_elements(xb, s, g)
     values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
-    codes = jnp.where(jnp.isnan(s), 0.0, values).astype(f.dtype)
-    scale = lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
-    return codes, scale, g
+    return scale_codes, jnp.where(jnp.isnan(s), 0.0, values), g
 
 
 def block_scales(scale: jax.Array) -> jax.Array:

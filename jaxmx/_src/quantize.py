@@ -66,9 +66,7 @@ def quantize(
             tiles. The transpose quantized with ``tile[::-1]`` holds the same bytes.
         impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
             ``"xla"`` or ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes
-            either way.
-            The Pallas kernels cover 1-D MX blocks: tiles, block FP8 and NVFP4 take ``"xla"``
-            under ``"auto"``, and ``"pallas"`` refuses them.
+            either way (``"pallas"`` takes tiles whose sides divide 128).
         global_scale: NVFP4 only: the float32 per-tensor scale ``g`` to use (at least
             ``2^-126``); ``None`` (default) computes ``amax(|x|) / (448 * 6)``.
 
@@ -104,7 +102,7 @@ def quantize(
             xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
         noise = uniform_noise(key, xb.shape)
         if f.has_global_scale:
-            data, scale, g = nvfp4.quantize_blocks(xb, f, global_scale, _rounding(f, noise))
+            data, scale, g = nvfp4.quantize_blocks(xb, f, global_scale, rounding(f, noise))
         else:
             (data, scale), g = _quantize_blocks(xb, f, scale_mode, noise), None
         return shaped(untile(data, padded, tile) if tile else data, scale, g)
@@ -112,10 +110,11 @@ def quantize(
     def pallas(x, interpret):
         from jaxmx._src import pallas_quantize  # it builds on this module
 
-        return shaped(*pallas_quantize.quantize(x, f, axis, scale_mode, key, interpret))
+        args = (f, axis, scale_mode, key, tile, global_scale)
+        return shaped(*pallas_quantize.quantize(x, *args, interpret=interpret))
 
-    if tile is not None or not f.is_mx:
-        impl = _xla_only(impl, "tiles" if tile is not None else f.name)
+    if tile is not None and impl == "pallas":
+        _check_pallas_tile(tile)
     data, scale, g = dispatch(impl, xla, pallas, x)
     return MXArray(
         data=data,
@@ -128,7 +127,7 @@ def quantize(
     )
 
 
-def _rounding(f: Format, noise):
+def rounding(f: Format, noise):
     """The rounding of scaled elements before clipping: stochastic with ``noise``, else none
     (the encoder rounds to nearest even)."""
     if noise is None:
@@ -145,11 +144,15 @@ def _checked_tile(tile, ndim: int, axis: int) -> tuple[int, int] | None:
     return tile
 
 
-def _xla_only(impl: str, what: str) -> str:
-    """``impl`` for quantizations the Pallas kernels do not cover: ``"xla"``, or an error."""
-    if impl == "pallas":
-        raise ValueError(f"impl='pallas' covers 1-D MX blocks, not {what}; use impl='xla'")
-    return "xla" if impl == "auto" else impl
+def _check_pallas_tile(tile: tuple[int, int]) -> None:
+    """A ValueError for a tile the Pallas kernels do not cover: a side that does not divide
+    their 128 x 128 tile."""
+    from jaxmx._src.pallas_quantize import TILE  # it builds on this module
+
+    if any(TILE % n for n in tile):
+        raise ValueError(
+            f"impl='pallas' covers tiles whose sides divide {TILE}, not {tile}; use impl='xla'"
+        )
 
 
 def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
@@ -229,7 +232,7 @@ def quantize_rowwise_colwise(
     impl: str = "auto",
     swizzled_scales: bool = False,
 ):
-    """Both MX copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
+    """Both copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
 
     Args:
         x, fmt, scale_mode, key: as for :func:`quantize`.
@@ -237,13 +240,16 @@ def quantize_rowwise_colwise(
             ``"xla"`` or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both
             copies; compiled on a GPU, interpreted on the CPU). The same bytes either way.
         swizzled_scales: also return both copies' scales in the cuBLAS 128x4 layout (as
-            :func:`jaxmx.swizzle_scales` gives them), written by the same kernel.
+            :func:`jaxmx.swizzle_scales` gives them), written by the same kernel: the E8M0
+            bytes of the MX formats, the E4M3 bytes of NVFP4 (block FP8's float32 scales have
+            no such layout: a ValueError).
 
     Returns:
         ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
         ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
         With ``swizzled_scales``, ``(row, col_t, row_swizzled, col_t_swizzled)``.
-        With ``key``, the two copies round with ``split(key)``'s two keys.
+        With ``key``, the two copies round with ``split(key)``'s two keys. NVFP4: both copies
+        hold the one tensor scale ``g`` of ``x``.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -259,10 +265,11 @@ def quantize_rowwise_colwise(
     scale_mode = check_scale_mode(scale_mode, f)
     x = jnp.asarray(x)
     _check_input(x)
-    if not f.is_mx:
-        impl = _xla_only(impl, f.name)
-        if swizzled_scales:
-            raise ValueError(f"swizzled_scales covers the MX formats (E8M0 scales), not {f.name}")
+    if swizzled_scales and f.scale_dtype == jnp.float32:
+        raise ValueError(
+            f"swizzled_scales covers the E8M0 (MX) and E4M3 (NVFP4) scales of the cuBLAS 128x4 "
+            f"layout, not the float32 scales of {f.name}"
+        )
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     row_key = col_key = None
@@ -418,10 +425,11 @@ def uniform_noise(key, shape) -> jax.Array | None:
 
 
 def _quantize_blocks(xb, f: Format, scale_mode: str, noise):
-    if not f.is_mx:
-        return _quantize_blocks_float32_scale(xb, f, scale_mode, noise)
-    byte, values = scaled_blocks(xb, f, scale_mode, noise)
-    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    if f.is_mx:
+        byte, values = scaled_blocks(xb, f, scale_mode, noise)
+        scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    else:
+        scale, values = float32_scaled_blocks(xb, f, scale_mode, noise)
     return encode(values, f), jnp.squeeze(scale, axis=2)
 
 
@@ -455,8 +463,10 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
     return byte, jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
-def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, noise):
-    """Block FP8: float32 scales (:data:`jaxmx.BLOCK_SCALE_MODES`), codes ``E4M3(x / s)``."""
+def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
+    """Block FP8: (float32 scales [outer, n_blocks, 1, inner] (:data:`jaxmx.BLOCK_SCALE_MODES`),
+    elements ``x / s`` clipped to ``±elem_max``), as :func:`scaled_blocks` for the MX formats:
+    the codes are ``encode(x / s)``."""
     amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
     amax = bits.from_bits(amax_bits)
     if scale_mode == "fp32":
@@ -480,8 +490,7 @@ def _quantize_blocks_float32_scale(xb, f: Format, scale_mode: str, noise):
     scaled = bits.scale_by_pow2(xb, boost) / lax.optimization_barrier(divisor)
     if noise is not None:
         scaled = _round_stochastically(scaled, f, noise)
-    elements = encode(jnp.clip(scaled, -f.elem_max, f.elem_max), f)
-    return elements, jnp.squeeze(scale, axis=2)
+    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
 def _round_up(amax_bits, f: Format, scale_mode: str):

@@ -1,4 +1,4 @@
-"""The cuBLAS block-scaled scale layout: 128x4 tiles of E8M0 bytes.
+"""The cuBLAS block-scaled scale layout: 128x4 tiles of scale bytes (E8M0, or NVFP4's E4M3).
 
 A compact scale matrix ``S[r, c]`` (r: row of the operand, c: K-block index) of shape [R, C] is
 zero-padded to ``Rp = roundup(R, 128)``, ``Cp = roundup(C, 4)`` and stored at
@@ -26,11 +26,14 @@ from jaxmx._src import bits
 
 ROW_TILE = 128
 COL_TILE = 4
+SWIZZLED_DTYPES = (*bits.SCALE_DTYPES, jnp.dtype(jnp.float8_e4m3fn))
+"""The scale dtypes :func:`swizzle_scales` takes: E8M0 (MX), E4M3 (NVFP4) and their bytes."""
 
 
 def swizzle_scales(scale: jax.Array) -> jax.Array:
-    """Compact [..., R, C] E8M0 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile order."""
-    s = bits.as_bytes(scale, "scales", bits.SCALE_DTYPES)
+    """Compact [..., R, C] E8M0 or E4M3 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile
+    order."""
+    s = bits.as_bytes(scale, "scales", SWIZZLED_DTYPES)
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
     *batch, rows, cols = s.shape

@@ -132,8 +132,9 @@ def main() -> None:
     dev = jax.devices()[0]
     print(
         f"jax {jax.__version__}, {dev.platform} ({dev.device_kind}, {os.cpu_count()} cores), "
-        f"scale rule {mode or 'per format'}, bfloat16 [N, N] input; medians of {args.repeats} interleaved repeats "
-        f"after {args.warmup} warmups; load average {os.getloadavg()[0]:.1f}"
+        f"scale rule {mode or 'per format'}, bfloat16 [N, N] input; medians of "
+        f"{args.repeats} interleaved repeats after {args.warmup} warmups; "
+        f"load average {os.getloadavg()[0]:.1f}"
     )
     header = (
         f"| {'N':>5} | {'op':<27} | {'wall ms':>8} | {'GB/s':>7} | {'x copy GB/s':>11} "

@@ -227,7 +227,12 @@ def test_kernels_lower_to_triton_for_cuda(fmt, mode, tile):
         lambda x: jaxmx.quantize(x, fmt, -1, mode, key=key, tile=tile, impl="pallas"),
     ):
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])
-        assert "xla.gpu.triton" in exported(x).mlir_module()
+        module = exported(x).mlir_module()
+        assert "xla.gpu.triton" in module
+        # no approximate division (arith.divf lowers to div.full.f32): block FP8's and NVFP4's
+        # quotients divide with the correctly rounded div.rn.f32; MX kernels do not divide
+        assert "arith.divf" not in module
+        assert ("div.rn.f32" in module) == (not jaxmx.FORMATS[fmt].is_mx)
     # "auto" is the XLA quantizer until the kernels are measured on a GPU
     exported = jax.export.export(
         jax.jit(lambda x: jaxmx.quantize(x, fmt)), platforms=["cuda"], disabled_checks=[triton]

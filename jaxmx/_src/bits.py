@@ -12,6 +12,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -95,6 +98,35 @@ def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
     from_subnormal = jnp.where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
     return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
+
+
+_division = contextvars.ContextVar("jaxmx_division", default=None)
+
+
+def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """``a / b`` in float32, rounded to nearest even as IEEE division is (broadcast shapes).
+
+    Where ``/`` alone is not: XLA turns a division by a broadcast value into a multiplication
+    by its rounded reciprocal (one ulp off), so the divisor is materialised at the quotient's
+    shape behind an optimization barrier; and inside a kernel traced under :func:`division`
+    (the Pallas quantizers compiled for a GPU, whose Triton lowering divides approximately)
+    the given function divides instead.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    override = _division.get()
+    if override is not None:
+        return override(a, b)
+    return a / lax.optimization_barrier(b)
+
+
+@contextlib.contextmanager
+def division(divide_fn):
+    """Within this block :func:`divide` calls ``divide_fn(a, b)`` (same-shape float32 arrays)."""
+    token = _division.set(divide_fn)
+    try:
+        yield
+    finally:
+        _division.reset(token)
 
 
 def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:

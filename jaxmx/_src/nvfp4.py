@@ -44,8 +44,7 @@ _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 def global_scale_of(amax_bits: jax.Array) -> jax.Array:
     """``g`` of a tensor whose largest magnitude has the float32 bits ``amax_bits`` (a scalar)."""
     amax = bits.from_bits(amax_bits)
-    divisor = lax.optimization_barrier(jnp.float32(GLOBAL_DIVISOR))  # no reciprocal rewrite
-    g = jnp.maximum(amax / divisor, jnp.float32(MIN_GLOBAL_SCALE))
+    g = jnp.maximum(bits.divide(amax, GLOBAL_DIVISOR), jnp.float32(MIN_GLOBAL_SCALE))
     return jnp.where(amax_bits >= 0x7F800000, jnp.nan, g)
 
 
@@ -104,7 +103,7 @@ def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:
     """``x * r`` with ``r = min((1 / g) / s, float32 max)``: the elements of blocks ``xb`` in
     units of their block's scale, before rounding and clipping (float32 block scales ``s``
     broadcast against ``xb``)."""
-    r = jnp.minimum((1.0 / g) / s, _FLOAT32_MAX)
+    r = jnp.minimum(bits.divide(bits.divide(1.0, g), s), _FLOAT32_MAX)
     # where r >= 2^64, as (x * 2^64) * (r * 2^-64) so that a subnormal x is not flushed
     boost = jnp.where(r >= 2.0**_BOOST, _BOOST, 0)
     return bits.scale_by_pow2(xb, boost) * (r * bits.pow2(-boost))
@@ -113,8 +112,7 @@ def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:
 def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     """``(amax / 6) / g`` in IEEE float32 for block maxima given by their bits."""
     amax = bits.from_bits(amax_bits)
-    six = lax.optimization_barrier(jnp.full(amax.shape, 6.0, jnp.float32))
-    sixth = amax / six
+    sixth = bits.divide(amax, 6.0)
     # amax / 6 is subnormal below 6 * 2^-126: then amax * 2^149 is an integer n < 2^26, and the
     # quotient's bits are n / 6 rounded to nearest even
     exponent = amax_bits >> bits.MANTISSA_BITS
@@ -125,5 +123,4 @@ def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     sixth = jnp.where(amax < 6.0 * 2.0**-126, bits.from_bits(q), sixth)
     # sixth / g, both scaled by 2^64 where sixth is subnormal (the quotient is unchanged)
     boost = jnp.where(exponent <= 3, _BOOST, 0)  # covers every subnormal sixth
-    divisor = lax.optimization_barrier(g * bits.pow2(boost))
-    return bits.scale_by_pow2(sixth, boost) / divisor
+    return bits.divide(bits.scale_by_pow2(sixth, boost), g * bits.pow2(boost))

@@ -40,8 +40,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax.lax import optimization_barrier_p  # for the Triton lowering rule below
-from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
@@ -67,10 +65,34 @@ _TRITON = pl_triton.CompilerParams(num_warps=4)
 """GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
 over an axis of a tile)."""
 
-# The XLA quantizers put a division's operand behind an optimization barrier, or XLA divides
-# by multiplying with a rounded reciprocal. Triton divides as written; Pallas' Triton lowering
-# has no rule for the barrier (jax 0.10), which lowers to its operands there.
-triton_lowering.triton_lowering_rules.setdefault(optimization_barrier_p, lambda ctx, *a: a)
+_DIV_RN = "div.rn.f32 $0, $1, $2;"
+"""PTX float32 division rounded to nearest even (IEEE). Pallas' Triton lowering divides with the
+approximate ``div.full.f32`` (up to 2 ulp off); block FP8's and NVFP4's scales and elements are
+quotients whose bytes must equal the XLA quantizer's."""
+
+
+def _rounded_divide(a, b):
+    """``a / b`` by :data:`_DIV_RN`, for :func:`jaxmx._src.bits.divide` in compiled kernels
+    (scalars as 1-element tensors: the inline assembly takes tensors)."""
+    shape = a.shape
+    a, b = (v.reshape(v.shape or (1,)) for v in (a, b))
+    out = jax.ShapeDtypeStruct(a.shape, jnp.float32)
+    args = dict(args=[a, b], constraints="=f,f,f", pack=1, result_shape_dtypes=[out])
+    return pl_triton.elementwise_inline_asm(_DIV_RN, **args)[0].reshape(shape)
+
+
+def _kernel(body, interpret: bool):
+    """``body`` as a kernel: compiled for a GPU, its divisions are :func:`_rounded_divide`;
+    interpreted, they are XLA's (:func:`jaxmx._src.bits.divide`)."""
+    if interpret:
+        return body
+
+    @functools.wraps(body)
+    def kernel(*refs):
+        with bits.division(_rounded_divide):
+            body(*refs)
+
+    return kernel
 
 
 def quantize(x, f: Format, axis: int, scale_mode: str, key, tile, g, *, interpret: bool):
@@ -160,7 +182,7 @@ def quantize_2d(x, f: Format, scale_mode: str, block, noise=None, g=None, *, int
         data_ref[...], scale_ref[...] = _quantize_tile(ins[0][...], f, scale_mode, block, n, tile_g)
 
     return pl.pallas_call(
-        kernel,
+        _kernel(kernel, interpret),
         grid=(a // TILE, b // TILE),
         in_specs=in_specs,
         out_specs=[spec, pl.BlockSpec((TILE // r, TILE // c), lambda i, j: (i, j))],
@@ -245,7 +267,7 @@ def quantize_rowwise_colwise_2d(
 
     results = list(
         pl.pallas_call(
-            kernel,
+            _kernel(kernel, interpret),
             grid=(m // TILE, k // TILE),
             in_specs=[tile] * (n_in - (g is not None)) + _scalar_spec(g),
             out_specs=out_specs,

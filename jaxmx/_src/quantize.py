@@ -470,10 +470,7 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
     amax = bits.from_bits(amax_bits)
     if scale_mode == "fp32":
-        # a true division: XLA turns a division by a broadcast scalar into a multiplication by
-        # its (rounded) reciprocal, one ulp off; a full array behind a barrier keeps the divide
-        elem_max = lax.optimization_barrier(jnp.full(amax.shape, f.elem_max, jnp.float32))
-        scale = jnp.maximum(amax / elem_max, jnp.float32(2.0**-126))
+        scale = jnp.maximum(bits.divide(amax, f.elem_max), jnp.float32(2.0**-126))
     else:  # pow2: the rceil exponent, k >= -127, exact
         byte = bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
         scale = bits.ldexp_exact(jnp.ones_like(amax), byte - bits.EXPONENT_BIAS)
@@ -483,11 +480,9 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     all_zero = (exponent == 0) & ((amax_bits & bits.MANTISSA_MASK) == 0)
     scale = jnp.where(exponent == 0xFF, jnp.nan, jnp.where(all_zero, 1.0, scale))
     # x / s as the quotient of normal floats: both scaled by 2^64 where s is tiny, so no
-    # subnormal operand meets a flushing division (the quotient is unchanged); the divisor is
-    # materialised behind a barrier, or XLA divides by multiplying with a rounded reciprocal
+    # subnormal operand meets a flushing division (the quotient is unchanged)
     boost = jnp.where(scale < 2.0**-60, 64, 0)
-    divisor = jnp.broadcast_to(bits.scale_by_pow2(scale, boost), xb.shape)
-    scaled = bits.scale_by_pow2(xb, boost) / lax.optimization_barrier(divisor)
+    scaled = bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
     if noise is not None:
         scaled = _round_stochastically(scaled, f, noise)
     return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)

@@ -38,6 +38,9 @@ def test_swizzle_matches_reference_formula(shape):
     assert unsw.dtype == jnp.float8_e8m0fnu and unsw.shape == shape
     np.testing.assert_array_equal(codes(unsw), s)
     np.testing.assert_array_equal(ref.unswizzle(want, rows, cols), s)
+    back = jaxmx.unswizzle_scales(jnp.asarray(buf), rows, cols, dtype=jnp.float8_e4m3fn)
+    assert back.dtype == jnp.float8_e4m3fn  # NVFP4's scales round-trip in their own dtype
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), s)
 
 
 def test_swizzle_spot_offsets():
@@ -58,3 +61,5 @@ def test_swizzle_errors():
         jaxmx.swizzle_scales(jnp.zeros((4, 4), jnp.int32))
     with pytest.raises(ValueError):
         jaxmx.unswizzle_scales(jnp.zeros((100,), jnp.uint8), 4, 4)
+    with pytest.raises(TypeError, match="dtype"):
+        jaxmx.unswizzle_scales(jnp.zeros((512,), jnp.uint8), 4, 4, dtype=jnp.float32)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxmx._src import bits
 
@@ -46,9 +45,13 @@ def swizzle_scales(scale: jax.Array) -> jax.Array:
     return s.reshape(*batch, rp * cp)
 
 
-def unswizzle_scales(buf: jax.Array, rows: int, cols: int) -> jax.Array:
-    """The inverse of :func:`swizzle_scales`: [..., Rp * Cp] bytes -> [..., R, C] E8M0."""
-    b = bits.as_bytes(buf, "a swizzled scale buffer", bits.SCALE_DTYPES)
+def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0fnu) -> jax.Array:
+    """The inverse of :func:`swizzle_scales`: [..., Rp * Cp] bytes -> [..., R, C] scales of
+    ``dtype``: ``float8_e8m0fnu`` (default, MX), ``float8_e4m3fn`` (NVFP4) or ``uint8``."""
+    if jnp.dtype(dtype) not in SWIZZLED_DTYPES:
+        names = ", ".join(d.name for d in SWIZZLED_DTYPES)
+        raise TypeError(f"unswizzle_scales: dtype must be one of {names}, got {dtype}")
+    b = bits.as_bytes(buf, "a swizzled scale buffer", SWIZZLED_DTYPES)
     rp, cp = _round_up(rows, ROW_TILE), _round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:
         raise ValueError(
@@ -59,7 +62,7 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int) -> jax.Array:
     s = b.reshape(*batch, rp // 128, cp // 4, 32, 4, 4)  # (r0, c0, r2, r1, c1)
     s = s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (r0, r1, r2, c0, c1)
     s = s.reshape(*batch, rp, cp)[..., :rows, :cols]
-    return lax.bitcast_convert_type(s, jnp.float8_e8m0fnu)
+    return bits.from_bytes(s, dtype)
 
 
 def _round_up(n: int, m: int) -> int:

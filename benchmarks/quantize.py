@@ -28,31 +28,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import interleaved_medians
 
 import jaxmx
-
-
-def _time_interleaved(fns: dict, x, warmup: int, repeats: int):
-    """Median wall and CPU seconds per function; one call of each per round, so that drift in
-    the machine's load hits all of them alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn(x))
-    wall = {name: [] for name in fns}
-    cpu = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            w, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(x))
-            wall[name].append(time.perf_counter() - w)
-            cpu[name].append(time.process_time() - c)
-    med = statistics.median
-    return {k: med(v) for k, v in wall.items()}, {k: med(v) for k, v in cpu.items()}
 
 
 def _element_bytes(f) -> float:
@@ -144,7 +125,9 @@ def main() -> None:
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for n in args.sizes:
         x = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-        wall, cpu = _time_interleaved(fns, x, args.warmup, args.repeats)
+        t = interleaved_medians(fns, (x,), args.repeats, args.warmup)
+        wall = {name: timing.seconds for name, timing in t.items()}
+        cpu = {name: timing.cpu_seconds for name, timing in t.items()}
         size = n * n
         first = _copy_bytes(jaxmx.FORMATS[fmt], size)
         moved = {

@@ -52,25 +52,27 @@ def malloc_setting() -> str:
 @dataclasses.dataclass(frozen=True)
 class Timing:
     seconds: float  # median wall time of one call
+    cpu_seconds: float  # median process CPU time of one call (all threads)
     faults: float  # median minor page faults of one call (the whole process)
 
 
-def interleaved_medians(fns: dict, args, repeats: int) -> dict[str, Timing]:
-    """Median wall time and page faults per call of each function over ``repeats`` rounds of
-    one call each (interleaved, so that drift in the machine's load hits all of them alike),
-    after a compiling warm-up call of each."""
+def interleaved_medians(fns: dict, args, repeats: int, warmup: int = 1) -> dict[str, Timing]:
+    """Median wall time, CPU time and page faults per call of each function over ``repeats``
+    rounds of one call each (interleaved, so that drift in the machine's load hits all of them
+    alike), after ``warmup`` calls of each (the first compiles)."""
     for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    seconds = {name: [] for name in fns}
-    faults = {name: [] for name in fns}
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            start = time.perf_counter()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            wall, cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*args))
-            seconds[name].append(time.perf_counter() - start)
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            samples[name].append((wall, cpu, faults))
     return {
-        name: Timing(statistics.median(seconds[name]), statistics.median(faults[name]))
-        for name in fns
+        name: Timing(*(statistics.median(column) for column in zip(*rows, strict=True)))
+        for name, rows in samples.items()
     }

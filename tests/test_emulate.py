@@ -69,3 +69,27 @@ def test_ordinary_inputs_are_untouched_by_the_range_shift():
     direct = np.asarray(jaxmx.dequantize(a)) @ np.asarray(jaxmx.dequantize(b)).T  # float32
     got = jaxmx.matmul(a, b, jnp.float32, backend="emulate")
     np.testing.assert_allclose(got, direct, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, fmt",
+    [
+        ("mxfp8_e4m3", ml_dtypes.float8_e4m3fn),
+        ("mxfp8_e5m2", ml_dtypes.float8_e5m2),
+        ("mxfp4", ml_dtypes.float4_e2m1fn),
+    ],
+)
+def test_every_element_reaches_the_gemm_exactly(name, fmt):
+    """Each finite code times its block scale, relative to its row's largest scale, enters the
+    dot unrounded: a product with the identity gives back every decoded element exactly."""
+    codes = np.arange(1 << ml_dtypes.finfo(fmt).bits, dtype=np.uint8)
+    values = codes.view(fmt).astype(np.float64)
+    values = values[np.isfinite(values)]
+    k = 64
+    rows = -(-values.size // k)
+    a_codes = np.resize(values, rows * k).reshape(rows, k)
+    a_bytes = np.tile([[127 + 20, 127 - 40]], (rows, 1))  # the second block 2^-60 below the row max
+    a = mx(a_codes, a_bytes, fmt, name)
+    identity = mx(np.eye(k), np.full((k, 2), 127), fmt, name)
+    got = np.asarray(jaxmx.matmul(a, identity, jnp.float32, backend="emulate"), np.float64)
+    np.testing.assert_array_equal(got, exact_mx_product(a, identity))

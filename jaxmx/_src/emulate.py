@@ -16,9 +16,11 @@ NVFP4 operands (:mod:`jaxmx._src.nvfp4`) enter the dot as ``code * s`` (exact: a
 significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
 ``alpha = g_a * g_b``, their tensor scales' float32 product, as cuBLASLt applies alpha.
 
-Operands are fed to the dot as bfloat16 on accelerators (exact: a code times a power of two has
-at most 4 significant bits, and bf16 x bf16 products are exact in float32) and as float32 on the
-CPU, decided per lowering platform.
+Operands enter the dot as bfloat16, exactly: an element times a power of two has at most 6
+significant bits (4 for E4M3 times an E8M0 scale, 6 for an NVFP4 ``code * s``) and float32's
+exponent range, and bf16 x bf16 products are exact in float32. This is also the fastest form on
+CPUs: XLA:CPU multiplies bfloat16 operands about 1.7x faster than float32 ones where it has
+native bf16 dot products (docs/benchmarks.md).
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -54,26 +56,20 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
     kernel.
     """
 
-    def run(operand_dtype):
-        def gemm(a, b):
-            a_values, a_shift = decode_rows(a, operand_dtype)
-            b_values, b_shift = decode_rows(b, operand_dtype)
-            nd = a.data.ndim
-            batch = tuple(range(nd - 2))
-            out = lax.dot_general(
-                a_values,
-                b_values,
-                (((a.data_axis,), (b.data_axis,)), (batch, batch)),
-                preferred_element_type=jnp.float32,
-            )
-            shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-            half = shift // 2  # two exact factors: each within float32's exponent range
-            out = out * bits.pow2(half) * bits.pow2(shift - half)
-            return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
-
-        return gemm
-
-    return lax.platform_dependent(a, b, cpu=run(jnp.float32), default=run(jnp.bfloat16))
+    a_values, a_shift = decode_rows(a, jnp.bfloat16)
+    b_values, b_shift = decode_rows(b, jnp.bfloat16)
+    nd = a.data.ndim
+    batch = tuple(range(nd - 2))
+    out = lax.dot_general(
+        a_values,
+        b_values,
+        (((a.data_axis,), (b.data_axis,)), (batch, batch)),
+        preferred_element_type=jnp.float32,
+    )
+    shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
+    half = shift // 2  # two exact factors: each within float32's exponent range
+    out = out * bits.pow2(half) * bits.pow2(shift - half)
+    return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
 
 
 def _alpha(a, b, ndim: int) -> jax.Array:

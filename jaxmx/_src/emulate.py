@@ -18,9 +18,9 @@ significant bits, between 2^-10 and 2688) and the float32 result is multiplied b
 
 Operands enter the dot as bfloat16, exactly: an element times a power of two has at most 6
 significant bits (4 for E4M3 times an E8M0 scale, 6 for an NVFP4 ``code * s``) and float32's
-exponent range, and bf16 x bf16 products are exact in float32. This is also the fastest form on
-CPUs: XLA:CPU multiplies bfloat16 operands about 1.7x faster than float32 ones where it has
-native bf16 dot products (docs/benchmarks.md).
+exponent range, and bf16 x bf16 products are exact in float32. It is also the fast form on CPUs
+with native bf16 dot products: there XLA:CPU multiplies bfloat16 operands up to 2x faster than
+float32 ones (docs/benchmarks.md, "GEMM operands").
 
 Example:
     >>> import jax.numpy as jnp, jaxmx

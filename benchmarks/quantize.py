@@ -88,16 +88,15 @@ def main() -> None:
                     x, fmt, mode, impl=impl
                 )
             )
-    fmt = args.formats[0]
-    dtype = jaxmx.FORMATS[fmt].dtype
-    elem_max = jaxmx.FORMATS[fmt].elem_max
+    fmt = args.formats[0]  # the format of --fake and --breakdown
+    first = jaxmx.FORMATS[fmt]
+    dtype, elem_max, block = first.dtype, first.elem_max, first.block
     if args.fake:
         fns |= {
             "fake_quantize": jax.jit(lambda x: jaxmx.fake_quantize(x, fmt, -1, mode)),
             "dq(q(x))": jax.jit(lambda x: jaxmx.dequantize(jaxmx.quantize(x, fmt, -1, mode))),
         }
     if args.breakdown:
-        block = jaxmx.FORMATS[fmt].block
         fns |= {
             "amax": jax.jit(lambda x: jnp.max(jnp.abs(x.reshape(*x.shape[:-1], -1, block)), -1)),
             "cast": jax.jit(lambda x: jnp.clip(x, -elem_max, elem_max).astype(dtype)),
@@ -129,14 +128,14 @@ def main() -> None:
         wall = {name: timing.seconds for name, timing in t.items()}
         cpu = {name: timing.cpu_seconds for name, timing in t.items()}
         size = n * n
-        first = _copy_bytes(jaxmx.FORMATS[fmt], size)
+        first_copy = _copy_bytes(first, size)
         moved = {
             "copy": 2 * size + 2 * size,
-            "amax": 2 * size + size / block * 2 if args.breakdown else 0,
-            "cast": 2 * size + size * _element_bytes(jaxmx.FORMATS[fmt]),
+            "amax": 2 * size + size / block * 2,
+            "cast": 2 * size + size * _element_bytes(first),
             "x.T": 2 * size + 2 * size,
-            "q axis 0": 2 * size + first,
-            "q 3-D": 2 * size + first,
+            "q axis 0": 2 * size + first_copy,
+            "q 3-D": 2 * size + first_copy,
             "fake_quantize": 2 * size + 4 * size,  # read bf16, write float32
             "dq(q(x))": 2 * size + 4 * size,
         }

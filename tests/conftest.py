@@ -1,9 +1,35 @@
-"""Test-wide setup: 8 CPU devices, so multi-device tests run in this process.
+"""Test-wide setup: 8 CPU devices, so multi-device tests run in this process, and the markers.
 
 Set before any computation initialises the backend. Single-device tests are unaffected: arrays
 and computations stay on device 0 unless a test shards them.
+
+Markers (registered in pyproject.toml):
+
+- ``cublaslt``: the test needs an extension built with the cuBLASLt handler (``JAXMX_CUDA=ON``;
+  no GPU needed). Skipped, with the reason, on a build without it, unless ``JAXMX_CUDA=ON`` is
+  set: then the handler was asked for and its absence is a failure, not a skip.
+- ``slow``: slow by nature (full-length runs); deselected by default, ``pytest -m slow`` runs them.
 """
 
+import os
+
 import jax
+import pytest
+
+from jaxmx import _ffi
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+CUDA_REQUESTED = os.environ.get("JAXMX_CUDA", "").upper() in ("ON", "1", "TRUE")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _ffi.has_cuda or CUDA_REQUESTED:
+        return
+    skip = pytest.mark.skip(
+        reason="needs the cuBLASLt handler: this extension was built without it "
+        "(JAXMX_CUDA=ON pip install -e . builds it, see docs/native.md)"
+    )
+    for item in items:
+        if "cublaslt" in item.keywords:
+            item.add_marker(skip)

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmx
-from jaxmx import _ffi
 from jaxmx._src import backends
 
 TN = (((1,), (1,)), ((), ()))
@@ -62,7 +61,7 @@ def test_unknown_backends_are_refused():
         jaxmx.Recipe(backend="cublas")
 
 
-@pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")
+@pytest.mark.cublaslt
 def test_a_cpu_lowering_on_a_gpu_host_gets_the_emulation(capable_gpu):
     x, w = jnp.ones((8, 64)), jnp.ones((16, 64))
 

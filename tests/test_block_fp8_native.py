@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmx
-from jaxmx import _ffi, ffi
+from jaxmx import ffi
 
 E4, E5 = "fp8_e4m3_block", "fp8_e5m2_block"
 OUT_EPS = {jnp.float32: 0.0, jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
@@ -166,6 +166,7 @@ def test_python_side_errors():
         ffi.block_fp8_matmul(a, operand(jax.random.key(7), 8, 384, E4))
 
 
+@pytest.mark.cublaslt  # auto picks the CUDA handler for whole tiles
 def test_auto_emulates_tiles_the_native_gemm_does_not_take(monkeypatch):
     from jaxmx._src import backends
 
@@ -222,7 +223,7 @@ def test_cpp_side_errors():
             raw_call((4, 4), *args, **attrs)
 
 
-@pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")
+@pytest.mark.cublaslt
 def test_the_cuda_lowering_pads_1x128_rows_to_16_and_lays_out_the_scales():
     a = operand(jax.random.key(9), 6, 256, E4)  # 1x128: rows padded to 16, scales [2, 16]
     b = operand(jax.random.key(10), 256, 256, E4, TILE)  # whole tiles: scales [2, 4]

@@ -447,6 +447,7 @@ def _site_dirs():
     return sorted(d for d in dirs if os.path.isdir(d))
 
 
+@pytest.mark.cublaslt
 @pytest.mark.skipif(
     os.environ.get("JAXMX_CUDA", "").upper() not in ("ON", "1", "TRUE"),
     reason="the cuBLASLt handler is built with JAXMX_CUDA=ON (as CI does)",
@@ -462,10 +463,9 @@ def test_cuda_handler_built_when_asked_for():
         assert set(cuda[target]) == {"initialize", "execute"}, target
 
 
+@pytest.mark.cublaslt
 def test_cuda_libraries_resolve_when_installed():
     """dlopen + dlsym of every cuBLASLt / CUDA runtime function the handler uses (no GPU needed)."""
-    if not _ffi.has_cuda:
-        pytest.skip("extension built without the cuBLASLt handler")
     libs = [
         p
         for d in _site_dirs()
@@ -525,8 +525,11 @@ def test_the_cuda_workspace_handed_to_cublaslt_is_256_byte_aligned():
         assert (address + offset) % 256 == 0
         assert usable == ffi.WORKSPACE_BYTES and offset + usable <= size
     assert _ffi.align_workspace(0x1008, 100) == (0, 0)  # too small to align: no workspace
-    if not _ffi.has_cuda:
-        pytest.skip("this build has no cuBLASLt handler to lower for CUDA (CI has one)")
+
+
+@pytest.mark.cublaslt
+def test_the_cuda_lowering_asks_for_the_workspace_and_its_alignment_slack():
+    size = ffi.WORKSPACE_BYTES + 256
     a = quantize(jnp.ones((4, 64)))
     text = jax.jit(ffi.mx_matmul).trace(a, a).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<{size}xui8>" in text

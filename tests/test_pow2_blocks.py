@@ -7,7 +7,6 @@ import pytest
 from test_block_fp8 import adversarial
 
 import jaxmx
-from jaxmx import _ffi
 from jaxmx._src import backends
 from jaxmx._src.pow2_blocks import as_mx
 from jaxmx.recipes import DEEPSEEK_FP8, FP8_BLOCK_POW2
@@ -52,7 +51,7 @@ def test_only_block_fp8_arrays_are_taken():
         as_mx(narrow)
 
 
-@pytest.mark.skipif(not _ffi.has_cuda, reason="this build has no cuBLASLt handler (CI has one)")
+@pytest.mark.cublaslt
 def test_auto_runs_pow2_block_recipes_on_the_mx_gemm_of_a_blackwell(monkeypatch):
     """On a CUDA device with the MX GEMM and without cuBLASLt's block-FP8 one, FP8_BLOCK_POW2's
     three GEMMs lower to the MX custom call; DEEPSEEK_FP8 (float32 scales) is emulated."""

@@ -90,6 +90,26 @@ def quantize(
     x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
     tile = _checked_tile(tile, x.ndim, axis)
     global_scale = nvfp4.checked_global_scale(global_scale, f)
+    if check_impl(impl) == "pallas" and tile is not None:
+        _check_pallas_tile(tile)
+    data, scale, g = _quantized(
+        x, key, global_scale, f=f, axis=axis, scale_mode=scale_mode, tile=tile, impl=impl
+    )
+    return MXArray(
+        data=data,
+        scale=scale,
+        fmt=f.name,
+        axis=axis,
+        shape=tuple(x.shape),
+        tile=tile,
+        global_scale=g,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode", "tile", "impl"))
+def _quantized(x, key, global_scale, *, f: Format, axis: int, scale_mode, tile, impl: str):
+    """``(codes, scales, NVFP4's tensor scale or None)`` of checked arguments: one compiled
+    program per shape and static setting, so that an eager call compiles once, not per op."""
     padded = padded_shape(x.shape, axis, f.block, tile)
 
     def shaped(data, scale, g=None):
@@ -113,18 +133,7 @@ def quantize(
         args = (f, axis, scale_mode, key, tile, global_scale)
         return shaped(*pallas_quantize.quantize(x, *args, interpret=interpret))
 
-    if tile is not None and impl == "pallas":
-        _check_pallas_tile(tile)
-    data, scale, g = dispatch(impl, xla, pallas, x)
-    return MXArray(
-        data=data,
-        scale=scale,
-        fmt=f.name,
-        axis=axis,
-        shape=tuple(x.shape),
-        tile=tile,
-        global_scale=g,
-    )
+    return dispatch(impl, xla, pallas, x)
 
 
 def rounding(f: Format, noise):
@@ -175,7 +184,12 @@ def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
         [1.0, -0.5, 0.25]
     """
     q = checked(q, "dequantize")
-    dtype = check_float_dtype(dtype, "dequantize: dtype")
+    return _dequantized(q, dtype=check_float_dtype(dtype, "dequantize: dtype"))
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantized(q: MXArray, *, dtype) -> jax.Array:
+    """:func:`dequantize` of a checked ``q``, one compiled program per shape and format."""
     f = q.format
     # XLA's constant folder mis-evaluates the bit manipulation below on transposed float8
     # constants (e.g. quantized jit-captured arrays): the barrier keeps it out of folding.
@@ -272,16 +286,25 @@ def quantize_rowwise_colwise(
         )
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
+    key = None if key is None else _check_key(key)
+    return _rowwise_colwise(
+        x, key, f=f, scale_mode=scale_mode, impl=check_impl(impl), swizzled=swizzled_scales
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("f", "scale_mode", "impl", "swizzled"))
+def _rowwise_colwise(x, key, *, f: Format, scale_mode: str, impl: str, swizzled: bool):
+    """:func:`quantize_rowwise_colwise` of checked arguments, one compiled program per shape."""
     row_key = col_key = None
     if key is not None:
-        row_key, col_key = jax.random.split(_check_key(key))
+        row_key, col_key = jax.random.split(key)
 
     def xla(x):
-        row = quantize(x, fmt, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
+        row = quantize(x, f.name, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
         col_t = swap_last_axes(
-            quantize(x, fmt, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
+            quantize(x, f.name, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
         )
-        if swizzled_scales:
+        if swizzled:
             return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
         return row, col_t
 
@@ -289,7 +312,7 @@ def quantize_rowwise_colwise(
         from jaxmx._src import pallas_quantize  # it builds on this module
 
         keys = (row_key, col_key)
-        return pallas_quantize.rowwise_colwise(x, f, scale_mode, keys, swizzled_scales, interpret)
+        return pallas_quantize.rowwise_colwise(x, f, scale_mode, keys, swizzled, interpret)
 
     return dispatch(impl, xla, pallas, x)
 
@@ -315,22 +338,29 @@ so nothing selects them until a GPU shows them faster; see docs/benchmarks.md). 
 is chosen per lowering platform."""
 
 
-def dispatch(impl: str, xla, pallas, x):
-    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as ``impl`` says.
+def check_impl(impl) -> str:
+    """``impl`` after checking it names an implementation that runs here.
 
-    ``impl="pallas"`` raises a ValueError where JAX's default backend is neither a GPU nor the
-    CPU (the kernels are written for Triton; interpreting them elsewhere is not supported).
+    A ValueError for an unknown ``impl``, and for ``impl="pallas"`` where JAX's default backend
+    is neither a GPU nor the CPU (the kernels are written for Triton; interpreting them
+    elsewhere is not supported).
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if impl in ("xla", "auto"):
-        return xla(x)
     platform = jax.default_backend()
     if impl == "pallas" and platform not in ("gpu", "cpu"):
         raise ValueError(
             f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
             f"{platform!r}; use impl='xla' (or 'auto')"
         )
+    return impl
+
+
+def dispatch(impl: str, xla, pallas, x):
+    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as a checked
+    ``impl`` (:func:`check_impl`) says."""
+    if impl in ("xla", "auto"):
+        return xla(x)
     compiled = functools.partial(pallas, interpret=False)
     interpreted = functools.partial(pallas, interpret=True)
     return lax.platform_dependent(x, cuda=compiled, default=interpreted)

@@ -97,7 +97,8 @@ def test_nvfp4_legs_and_the_wgrad_copy_after_the_hadamard_transform():
         return jnp.sum(y * g), record.forward
 
     taps = diagnostics.gemm_taps(loss, w)
-    (_, forward), (_, tap_grads) = jax.value_and_grad(loss, (0, 1), has_aux=True)(w, taps)
+    step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+    (_, forward), (_, tap_grads) = step(w, taps)
     legs = diagnostics.telemetry_report(forward, tap_grads)["dot_general"]
     x_stats = diagnostics.block_stats(x, "nvfp4")
     assert float(legs.lhs.underflow_max) == float(np.nanmax(x_stats.underflow))

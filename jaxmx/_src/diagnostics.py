@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import numpy as np
 
 from jaxmx._src import bits, nvfp4
 from jaxmx._src.dtypes import as_float_array
-from jaxmx._src.formats import check_scale_mode, get_format
+from jaxmx._src.formats import Format, check_scale_mode, get_format
 from jaxmx._src.matmul import matmul
 from jaxmx._src.quantize import (
     blocked,
@@ -138,7 +139,12 @@ def block_stats(
     x = as_float_array(x, "block_stats: x")
     if x.ndim == 0:
         raise ValueError("block_stats expects an array of rank >= 1, got a scalar")
-    axis = normalize_axis(axis, x.ndim)
+    return _block_stats(x, f=f, axis=normalize_axis(axis, x.ndim), scale_mode=scale_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode"))
+def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> BlockStats:
+    """:func:`block_stats` of checked arguments: one compiled program per shape and setting."""
     q = quantize(x, f.name, axis=axis, scale_mode=scale_mode)
     xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner]
     index = jnp.arange(xb.shape[1] * f.block).reshape(1, xb.shape[1], f.block, 1)

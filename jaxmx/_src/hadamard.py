@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -66,6 +67,12 @@ def rht(
     axis = normalize_axis(axis, x.ndim)
     if isinstance(size, bool) or not isinstance(size, int) or size < 2 or size & (size - 1):
         raise ValueError(f"rht: size must be a power of two >= 2, got {size!r}")
+    return _rht(x, _checked_key(key), axis=axis, size=size, inverse=inverse)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "size", "inverse"))
+def _rht(x: jax.Array, key: jax.Array, *, axis: int, size: int, inverse: bool) -> jax.Array:
+    """:func:`rht` of checked arguments: one compiled program per shape and setting."""
     signs = random_signs(key, size)
     n = -(-x.shape[axis] // size) * size
     if n != x.shape[axis]:
@@ -85,11 +92,15 @@ def rht(
 
 def random_signs(key: jax.Array, size: int) -> jax.Array:
     """The transform's sign vector: ``size`` float32 values of ±1 drawn from ``key``."""
+    return jax.random.rademacher(key, (size,), jnp.float32)
+
+
+def _checked_key(key) -> jax.Array:
     dtype = getattr(key, "dtype", None)
     is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
     if not is_key and not (dtype == jnp.uint32 and getattr(key, "shape", None) == (2,)):
         raise TypeError(f"rht: key must be a PRNG key (jax.random.key), got {key!r}")
-    return jax.random.rademacher(key, (size,), jnp.float32)
+    return key
 
 
 def _hadamard(blocks: jax.Array) -> jax.Array:

@@ -21,7 +21,8 @@ Example:
     ...     return (y**2).sum(), tel.forward
     >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
     >>> taps = diagnostics.gemm_taps(loss, w, x)
-    >>> (_, fwd), (_, grads) = jax.value_and_grad(loss, (0, 2), has_aux=True)(w, x, taps)
+    >>> step = jax.jit(jax.value_and_grad(loss, (0, 2), has_aux=True))
+    >>> (_, fwd), (_, grads) = step(w, x, taps)
     >>> report = diagnostics.telemetry_report(fwd, grads)
     >>> list(report), float(report["layer"].dgrad.saturated_max)
     (['layer'], 0.0)

@@ -1,6 +1,7 @@
 """The demo end to end with a tiny model: both runs train, the report and the plot are written."""
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +12,32 @@ from flax import nnx
 import jaxmx
 import jaxmx.demo.train as demo_train
 from jaxmx.demo import data, report
-from jaxmx.demo.__main__ import main, parse_args
+from jaxmx.demo.__main__ import build_parser, main, parse_args
 from jaxmx.demo.train import Config, get_recipe, train
 
 TINY = [
     *("--steps", "30", "--d-model", "32", "--layers", "1", "--heads", "2"),
     *("--seq-len", "32", "--batch", "8", "--eval-every", "10", "--eval-batches", "4"),
-    *("--lr", "1e-2", "--no-progress"),
+    *("--lr", "1e-2"),
 ]
 
 
 def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
     assert main([*TINY, "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "validation loss" in out and "step time (ms)" in out and "unigram entropy" in out
+    assert "[a] both runs' compiled steps timed side by side after training" in out
+    assert (
+        "[c] the whole run: data, model, compilation, 30 steps at the pace they ran, 3 validations"
+        in out
+    )
+    # the progress, not on a terminal: a line at each validation, no carriage returns
+    assert "\r" not in err
+    progress = [line.split(":")[0] for line in err.splitlines() if " step " in line]
+    assert progress == [
+        f"{name:>6s} step {s}/30" for name in ("bf16", "mxfp8") for s in (10, 20, 30)
+    ]
+    assert err.count(", validation loss ") == 6
 
     history = json.loads((tmp_path / "history.json").read_text())
     runs = history["runs"]
@@ -50,6 +63,23 @@ def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_progress_is_a_bar_on_a_terminal_else_lines(capsys, monkeypatch):
+    def run():
+        progress = demo_train._Progress(4, "bf16", every=2)
+        for step in range(1, 5):
+            progress.update(step, 1.0 / step, 0.5 if step == 4 else None)
+        progress.close()
+        return capsys.readouterr().err
+
+    assert run().splitlines() == [
+        "  bf16 step 2/4: train loss 0.500 (0 s)",
+        "  bf16 step 4/4: train loss 0.250, validation loss 0.500 (0 s)",
+    ]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = run()
+    assert "\r" in bar and "4/4" in bar and "train loss" not in bar
+
+
 def test_cli_flags_and_recipes():
     args = parse_args(["--recipe", "mxfp8_hybrid", "--backend", "emulate", "--d-model", "64"])
     assert args.d_model == 64 and args.out == "jaxmx_demo"
@@ -65,6 +95,16 @@ def test_cli_flags_and_recipes():
     )
 
 
+def test_help_describes_every_flag_and_its_default():
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        assert action.help, action.option_strings
+        if action.dest != "help":
+            assert f"(default: {action.default})" in text, action.option_strings
+    assert "--steps STEPS training steps per run (default: 600)" in text
+
+
 def test_data_splits_and_unigram():
     train, val = data.load_splits()
     assert train.dtype == np.uint8 and len(val) == int(0.1 * (len(train) + len(val)))
@@ -78,17 +118,17 @@ def test_data_splits_and_unigram():
 
 
 def test_demo_diagnose_and_seed_band(tmp_path, capsys):
-    steps = ["--steps", "10", "--eval-every", "0"]
-    args = [*TINY, *steps, "--diagnose", "--diagnose-every", "5", "--seeds", "1"]
+    args = [*TINY, "--diagnose", "--diagnose-every", "15", "--seeds", "1", "--no-progress"]
     assert main([*args, "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert " step " not in err  # --no-progress
     assert "bf16 over 2 seeds: validation loss" in out and "the band" in out
     assert "largest underflow_blocks" in out and "no NaN/inf in any leg" in out
 
     history = json.loads((tmp_path / "history.json").read_text())
     assert set(history["runs"]) == {"bf16", "mxfp8", "bf16 seed 1"}
     mx = history["runs"]["mxfp8"]
-    assert sorted(mx["telemetry"], key=int) == ["1", "5", "10"]
+    assert sorted(mx["telemetry"], key=int) == ["1", "15", "30"]
     gemms = ["blocks/0/attn/qkv", "blocks/0/attn/out", "blocks/0/mlp/up", "blocks/0/mlp/down"]
     for step_report in mx["telemetry"].values():
         assert list(step_report) == gemms
@@ -96,16 +136,16 @@ def test_demo_diagnose_and_seed_band(tmp_path, capsys):
     png = (tmp_path / "diagnostics_mxfp8.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
-    # the diagnosed steps make the same updates as the plain ones
+    # the diagnosed steps make the same updates as the plain ones (compiled above, steps 2 .. 14)
     cfg = Config(
-        steps=10,
+        steps=30,
         d_model=32,
         layers=1,
         heads=2,
         seq_len=32,
         batch=8,
         lr=1e-2,
-        eval_every=0,
+        eval_every=10,
         eval_batches=4,
     )
     plain = train(cfg, jaxmx.recipes.MXFP8, progress=False)

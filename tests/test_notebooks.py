@@ -1,6 +1,10 @@
-"""The notebooks run top to bottom (small settings through JAXMX_NB_* variables), as in Colab."""
+"""The notebooks run top to bottom (small settings through JAXMX_NB_* variables), and their
+install cell installs jaxmx only where it is missing."""
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -8,6 +12,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = ["01_quickstart.ipynb", "02_train_transformer.ipynb", "03_diagnostics.ipynb"]
 SMALL = {
     "JAXMX_NB_STEPS": "20",
     "JAXMX_NB_D_MODEL": "32",
@@ -22,10 +27,18 @@ SMALL = {
 }
 
 
-def _run(name: str, tmp_path: Path, monkeypatch) -> nbformat.NotebookNode:
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> Path:
+    """A persistent compilation cache for this module's kernels: the notebooks compile the same
+    training steps (same settings), each kernel would otherwise compile them again."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+def _run(name: str, tmp_path: Path, monkeypatch, jax_cache: Path) -> nbformat.NotebookNode:
     for key, value in SMALL.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("JAXMX_NB_OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(jax_cache))
     monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = NotebookClient(
@@ -44,9 +57,11 @@ def _text(nb) -> str:
     )
 
 
-@pytest.mark.parametrize(
-    "name", ["01_quickstart.ipynb", "02_train_transformer.ipynb", "03_diagnostics.ipynb"]
-)
+def _install_cell() -> str:
+    return nbformat.read(NOTEBOOKS / NAMES[0], as_version=4).cells[1].source
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_outputs_are_cleared_in_git(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -54,17 +69,69 @@ def test_outputs_are_cleared_in_git(name):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
     assert "pip" in nb.cells[1].source and "find_spec" in nb.cells[1].source  # install cell
+    assert nb.cells[1].source == _install_cell()  # the same in every notebook, tested below
 
 
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
-    text = _text(_run("01_quickstart.ipynb", tmp_path, monkeypatch))
+def _run_install_cell(tmp_path: Path, cwd: Path, *, isolated: bool):
+    """Runs the install cell in a new Python in ``cwd`` (beside a folder ``jaxmx`` that is no
+    package), with a stand-in ``pip`` that records its arguments and "installs" a jaxmx package
+    on the path: (return code, stderr, pip's arguments or None). ``isolated``: without site
+    packages or this process's path, so that no installed jaxmx is found."""
+    (cwd / "jaxmx").mkdir(parents=True)
+    fakes = tmp_path / "fakes"
+    (fakes / "pip").mkdir(parents=True)
+    (fakes / "pip" / "__init__.py").write_text("")
+    (fakes / "pip" / "__main__.py").write_text(
+        "import json, pathlib, sys\n"
+        "here = pathlib.Path(__file__).parent.parent\n"
+        "(here / 'pip_args.json').write_text(json.dumps(sys.argv[1:]))\n"
+        "(here / 'jaxmx').mkdir()\n"
+        "(here / 'jaxmx' / '__init__.py').write_text('')\n"
+    )
+    path = [str(fakes)] if isolated else [str(fakes), *sys.path]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    flags = ["-S"] if isolated else []
+    proc = subprocess.run(
+        [sys.executable, *flags, "-c", _install_cell()],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    args = fakes / "pip_args.json"
+    return proc.returncode, proc.stderr, json.loads(args.read_text()) if args.exists() else None
+
+
+def test_install_cell_keeps_an_installed_jaxmx(tmp_path):
+    assert _run_install_cell(tmp_path, tmp_path / "work", isolated=False) == (0, "", None)
+
+
+def test_install_cell_without_jaxmx_outside_a_clone_says_how(tmp_path):
+    returncode, stderr, pip_args = _run_install_cell(tmp_path, tmp_path / "work", isolated=True)
+    assert returncode != 0 and pip_args is None
+    assert "ModuleNotFoundError: jaxmx is not installed" in stderr
+    assert 'pip install -e ".[demo]"' in stderr
+
+
+def test_install_cell_without_jaxmx_installs_the_clone_it_sits_in(tmp_path):
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / "pyproject.toml").write_text('[project]\nname = "jaxmx"\n')
+    returncode, stderr, pip_args = _run_install_cell(tmp_path, clone / "notebooks", isolated=True)
+    assert (returncode, stderr) == (0, "")
+    assert pip_args == ["install", "-q", "-e", f"{clone}[demo]"]
+
+
+def test_quickstart_notebook_runs(tmp_path, monkeypatch, jax_cache):
+    text = _text(_run("01_quickstart.ipynb", tmp_path, monkeypatch, jax_cache))
     assert "float8_e4m3fn" in text and "float8_e8m0fnu" in text
     assert "converted: ['down', 'up']" in text
     assert "same result: True" in text
 
 
-def test_train_notebook_runs(tmp_path, monkeypatch):
-    nb = _run("02_train_transformer.ipynb", tmp_path, monkeypatch)
+def test_train_notebook_runs(tmp_path, monkeypatch, jax_cache):
+    nb = _run("02_train_transformer.ipynb", tmp_path, monkeypatch, jax_cache)
     text = _text(nb)
     assert "validation loss" in text and "unigram entropy" in text
     assert (tmp_path / "out" / "loss_curves.png").exists()
@@ -74,8 +141,8 @@ def test_train_notebook_runs(tmp_path, monkeypatch):
     assert "--- mxfp8 ---" in text
 
 
-def test_diagnostics_notebook_runs(tmp_path, monkeypatch):
-    nb = _run("03_diagnostics.ipynb", tmp_path, monkeypatch)
+def test_diagnostics_notebook_runs(tmp_path, monkeypatch, jax_cache):
+    nb = _run("03_diagnostics.ipynb", tmp_path, monkeypatch, jax_cache)
     text = _text(nb)
     assert "blocks/0/mlp/up" in text and ">limit" in text  # step 0: span ratios per layer
     assert "+promote" in text  # step 2: the accumulation probe

@@ -2,5 +2,6 @@
 
 Modules: :mod:`~jaxmx.demo.data` (pydoc topics as bytes), :mod:`~jaxmx.demo.model` (nnx
 transformer), :mod:`~jaxmx.demo.train` (training loop, BF16 vs MXFP8 comparison) and
-:mod:`~jaxmx.demo.report` (table and plot). Needs ``pip install "jaxmx[demo]"``.
+:mod:`~jaxmx.demo.report` (table and plot). Needs the demo extras:
+``pip install -e ".[demo]"`` in the root of a jaxmx clone.
 """

@@ -20,29 +20,42 @@ from jaxmx.demo.train import RECIPES, Config
 _DEFAULTS = Config()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jaxmx.demo", description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line; ``--help`` shows every flag with its default."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmx.demo",
+        description=__doc__.split("\n")[0].replace("``", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="training steps per run")
-    p.add_argument("--d-model", type=int, default=_DEFAULTS.d_model)
-    p.add_argument("--layers", type=int, default=_DEFAULTS.layers)
-    p.add_argument("--heads", type=int, default=_DEFAULTS.heads)
-    p.add_argument("--seq-len", type=int, default=_DEFAULTS.seq_len)
-    p.add_argument("--batch", type=int, default=_DEFAULTS.batch)
+    p.add_argument("--d-model", type=int, default=_DEFAULTS.d_model, help="model width")
+    p.add_argument("--layers", type=int, default=_DEFAULTS.layers, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=_DEFAULTS.heads, help="attention heads")
+    p.add_argument("--seq-len", type=int, default=_DEFAULTS.seq_len, help="context length in bytes")
+    p.add_argument("--batch", type=int, default=_DEFAULTS.batch, help="sequences per batch")
     p.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate")
-    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
     p.add_argument(
-        "--eval-every", type=int, default=_DEFAULTS.eval_every, help="0: only at the end"
+        "--seed", type=int, default=_DEFAULTS.seed, help="seed of the weights and the batch order"
     )
     p.add_argument(
-        "--eval-batches", type=int, default=None, help="validation batches (default: all)"
+        "--eval-every",
+        type=int,
+        default=_DEFAULTS.eval_every,
+        help="steps between validations; 0: only at the end",
     )
-    p.add_argument("--recipe", choices=RECIPES, default="mxfp8")
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=None,
+        help="batches per validation; None: the whole validation split",
+    )
+    p.add_argument("--recipe", choices=RECIPES, default="mxfp8", help="the quantized run's recipe")
     p.add_argument(
         "--keep-last",
         type=int,
         default=None,
-        help="the last blocks whose linear layers stay in BF16 (default: 1 for nvfp4 and mxfp4, "
-        "else 0)",
+        help="the last blocks whose linear layers stay in BF16; None: 1 for nvfp4 and mxfp4, "
+        "else 0",
     )
     p.add_argument(
         "--ablate",
@@ -55,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend",
         choices=BACKENDS,
         default=None,
-        help="jaxmx GEMM backend (default: the recipe's, auto = cuBLASLt where supported, else "
+        help="jaxmx GEMM backend; None: the recipe's (auto: cuBLASLt where supported, else "
         "exact emulation)",
     )
     p.add_argument(
@@ -67,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--diagnose-every",
         type=int,
         default=None,
-        help="steps between telemetry records (default: steps / 30)",
+        help="steps between telemetry records; None: steps / 30",
     )
     p.add_argument(
         "--seeds",
@@ -75,9 +88,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="rerun BF16 with this many other seeds; report whether the MX run lies in the band",
     )
-    p.add_argument("--out", default="jaxmx_demo", help="output directory (plot, summary)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--out", default="jaxmx_demo", help="output directory of the plot and the summary"
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress output (a bar on a terminal, else plain lines)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,27 +113,38 @@ def relative_gap(value: float, reference: float) -> float:
 
 
 def table(baseline: RunResult, candidate: RunResult, unigram: float) -> str:
-    """A plain-text table of final losses (nats/byte), gaps and timings of the two runs."""
+    """A plain-text table of final losses (nats/byte), gaps and timings of the two runs, with a
+    note on what each timing measures."""
     rows = [
         ("", baseline.name, candidate.name, "rel. gap"),
         _loss_row("train loss (last 10%)", baseline.final_train, candidate.final_train),
         _loss_row("validation loss", baseline.final_val, candidate.final_val),
         (
-            "step time (ms)",
+            "step time (ms) [a]",
             f"{1e3 * baseline.step_time:.1f}",
             f"{1e3 * candidate.step_time:.1f}",
             f"x{candidate.step_time / baseline.step_time:.2f}",
         ),
         (
-            "first step (compile, s)",
+            "first step (compile, s) [b]",
             f"{baseline.compile_time:.1f}",
             f"{candidate.compile_time:.1f}",
             "",
         ),
-        ("wall time (s)", f"{baseline.wall_time:.1f}", f"{candidate.wall_time:.1f}", ""),
+        ("wall time (s) [c]", f"{baseline.wall_time:.1f}", f"{candidate.wall_time:.1f}", ""),
     ]
+    if baseline.bench_step_time is not None and candidate.bench_step_time is not None:
+        step_time = "both runs' compiled steps timed side by side after training (best round)"
+    else:
+        step_time = "the median of the run's steps after the first"
     lines = _columns(rows)
-    lines.append(f"unigram entropy of the validation bytes: {unigram:.3f} nats/byte")
+    lines += [
+        f"unigram entropy of the validation bytes: {unigram:.3f} nats/byte",
+        f"[a] {step_time}; x: {candidate.name} / {baseline.name}",
+        "[b] the run's first step, compilation included",
+        f"[c] the whole run: data, model, compilation, {len(baseline.train_loss)} steps at the "
+        f"pace they ran, {len(baseline.val_loss)} validations",
+    ]
     return "\n".join(lines)
 
 

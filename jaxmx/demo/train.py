@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import sys
 import time
 
 import jax
@@ -155,14 +157,22 @@ def evaluate(model, batches) -> float:
 
 def make_optimizer(cfg: Config, model: Transformer) -> nnx.Optimizer:
     """AdamW (b2 0.95, weight decay) with linear warmup, cosine decay to lr/10, clipping at 1."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr / 10
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay),
-    )
+    tx = _adamw(cfg.lr, cfg.warmup, cfg.steps, cfg.weight_decay)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@functools.cache
+def _adamw(lr: float, warmup: int, steps: int, weight_decay: float):
+    """The optax transform of :func:`make_optimizer`, one object per setting: the jitted steps'
+    cache key holds it (its functions compare by identity), so a new run or a fresh model of the
+    same shape reuses the compiled step instead of compiling it again."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, warmup, max(steps, warmup + 1), end_value=lr / 10
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay),
+    )
 
 
 def train(
@@ -187,7 +197,8 @@ def train(
     val_batches = data.eval_batches(val_data, cfg.batch, cfg.seq_len, cfg.eval_batches)
     result = RunResult(name)
     batches = data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed)
-    bar = _progress(cfg.steps, name, progress)
+    every = cfg.eval_every or max(1, cfg.steps // 10)  # steps between plain progress lines
+    bar = _Progress(cfg.steps, name, every=every) if progress else None
     diagnose_every = diagnose_every if recipe is not None else 0
     taps = None  # the telemetry taps, made once the first diagnosed step has a batch
     for step in range(1, cfg.steps + 1):
@@ -206,16 +217,15 @@ def train(
                 result.step_times.append(dt)
         result.steps.append(step)
         result.train_loss.append(loss)
-        if step < cfg.steps and cfg.eval_every and step % cfg.eval_every == 0:
+        val = None
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            val = evaluate(model, val_batches)
             result.val_steps.append(step)
-            result.val_loss.append(evaluate(model, val_batches))
+            result.val_loss.append(val)
         if bar is not None:
-            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            bar.update()
+            bar.update(step, loss, val)
     if bar is not None:
         bar.close()
-    result.val_steps.append(cfg.steps)
-    result.val_loss.append(evaluate(model, val_batches))
     result.wall_time = time.perf_counter() - start
     result.model = model
     return result
@@ -231,12 +241,34 @@ def _diagnosed_step(result: RunResult, step: int, taps, model, optimizer, x, y, 
     return float(loss)
 
 
-def _progress(total: int, name: str, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
+class _Progress:
+    """A run's progress on stderr: a tqdm bar on a terminal; else (a file, a pipe, a notebook) a
+    plain line every ``every`` steps and at the last, so that a log holds no carriage returns."""
 
-    return tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
+    def __init__(self, total: int, name: str, *, every: int):
+        self.total, self.name, self.every = total, name, every
+        self.start = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name:>6s}", unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, val: float | None = None) -> None:
+        """After step ``step`` (1-based), its training loss and, if it validated, ``val``."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.update()
+        elif step % self.every == 0 or step == self.total:
+            line = f"{self.name:>6s} step {step}/{self.total}: train loss {loss:.3f}"
+            if val is not None:
+                line += f", validation loss {val:.3f}"
+            line += f" ({time.perf_counter() - self.start:.0f} s)"
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 RECIPES = ("mxfp8", "mxfp8_hybrid", "mxfp8_2d", "deepseek_fp8", "fp8_block_pow2", "nvfp4", "mxfp4")

@@ -1,4 +1,4 @@
-"""Flax layers that run their matmuls through jaxmx (install with ``pip install "jaxmx[flax]"``).
+"""Flax layers that run their matmuls through jaxmx (``pip install -e ".[flax]"`` in a jaxmx clone).
 
 ``import jaxmx`` never imports Flax; this subpackage does. Two APIs, one per Flax flavour:
 

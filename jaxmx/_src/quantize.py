@@ -92,7 +92,7 @@ def quantize(
     global_scale = nvfp4.checked_global_scale(global_scale, f)
     if check_impl(impl) == "pallas" and tile is not None:
         _check_pallas_tile(tile)
-    data, scale, g = _quantized(
+    data, scale, g = _codes_and_scales(
         x, key, global_scale, f=f, axis=axis, scale_mode=scale_mode, tile=tile, impl=impl
     )
     return MXArray(
@@ -107,7 +107,7 @@ def quantize(
 
 
 @functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode", "tile", "impl"))
-def _quantized(x, key, global_scale, *, f: Format, axis: int, scale_mode, tile, impl: str):
+def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode, tile, impl: str):
     """``(codes, scales, NVFP4's tensor scale or None)`` of checked arguments: one compiled
     program per shape and static setting, so that an eager call compiles once, not per op."""
     padded = padded_shape(x.shape, axis, f.block, tile)

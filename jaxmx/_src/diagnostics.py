@@ -275,16 +275,9 @@ def gemm_probe(
     f = get_format(fmt)
     if distribution not in ("normal", "uniform"):
         raise ValueError(f"distribution must be 'normal' or 'uniform', got {distribution!r}")
-    a_key, b_key = jax.random.split(key)
-    if distribution == "normal":
-        a, b = jax.random.normal(a_key, (m, k)), jax.random.normal(b_key, (n, k))
-    else:
-        a, b = (jax.random.uniform(s, shape) for s, shape in ((a_key, (m, k)), (b_key, (n, k))))
-    a_q, b_q = quantize(a, f.name), quantize(b, f.name)
-    result = matmul(
-        a_q, b_q, jnp.float32, "emulate", accum_bits=accum_bits, promote_every=promote_every
-    )
-    a_q, b_q = (np.asarray(dequantize(q), np.float64) for q in (a_q, b_q))
+    setting = {"shape": (m, n, k), "dist": distribution, "accum_bits": accum_bits}
+    a, b, a_q, b_q, result = _probe_gemm(key, f=f, promote_every=promote_every, **setting)
+    a_q, b_q = (np.asarray(q, np.float64) for q in (a_q, b_q))
     exact = a_q @ b_q.T  # float64: its rounding is far below any accumulator modelled here
     error = np.asarray(result, np.float64) - exact
     unquantized = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
@@ -295,3 +288,20 @@ def gemm_probe(
             np.linalg.norm(exact - unquantized) / np.linalg.norm(unquantized)
         ),
     }
+
+
+@functools.partial(jax.jit, static_argnames=("f", "shape", "dist", "accum_bits", "promote_every"))
+def _probe_gemm(key, *, f: Format, shape, dist: str, accum_bits, promote_every):
+    """:func:`gemm_probe`'s operands ``a`` [m, k] and ``b`` [n, k] drawn from ``dist``, their
+    decoded MX values and the modelled GEMM of those: one compiled program per setting."""
+    m, n, k = shape
+    a_key, b_key = jax.random.split(key)
+    if dist == "normal":
+        a, b = jax.random.normal(a_key, (m, k)), jax.random.normal(b_key, (n, k))
+    else:
+        a, b = (jax.random.uniform(s, shape) for s, shape in ((a_key, (m, k)), (b_key, (n, k))))
+    a_q, b_q = quantize(a, f.name), quantize(b, f.name)
+    result = matmul(
+        a_q, b_q, jnp.float32, "emulate", accum_bits=accum_bits, promote_every=promote_every
+    )
+    return a, b, dequantize(a_q), dequantize(b_q), result

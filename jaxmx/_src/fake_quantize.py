@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -30,7 +31,7 @@ from jax import lax
 
 from jaxmx._src import bits
 from jaxmx._src.dtypes import check_float_dtype
-from jaxmx._src.formats import get_format
+from jaxmx._src.formats import Format, get_format
 from jaxmx._src.mxarray import MXArray, padded_shape, scale_shape
 from jaxmx._src.quantize import (
     blocked,
@@ -69,7 +70,12 @@ def fake_quantize(
     dtype = check_float_dtype(dtype, "fake_quantize: dtype")
     if not get_format(fmt).is_mx:  # block FP8: values are a float32 product, no shortcut
         return dequantize(quantize(x, fmt, axis, scale_mode, key=key), dtype)
-    g = quantize_to_grid(x, fmt, axis, scale_mode, key=key)
+    return _values(quantize_to_grid(x, fmt, axis, scale_mode, key=key), dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _values(g: GridArray, *, dtype) -> jax.Array:
+    """The values of ``g`` in ``dtype``, unpadded: one compiled program per shape."""
     f, axis = g.format, g.axis
     xb = g.data.reshape(_blocked_shape(g.data.shape, axis, f.block))
     byte = bits.as_bytes(g.scale, "scales", bits.SCALE_DTYPES).astype(jnp.int32)
@@ -112,6 +118,12 @@ def quantize_to_grid(
     x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
     if not f.is_mx:
         raise ValueError(f"quantize_to_grid covers the MX formats, not {f.name}")
+    return _on_grid(x, key, f=f, axis=axis, scale_mode=scale_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode"))
+def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> GridArray:
+    """:func:`quantize_to_grid` of checked arguments: one compiled program per shape."""
     xb = blocked(x, axis, f.block)
     byte, values = scaled_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
     scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)

@@ -12,6 +12,8 @@ Markers (registered in pyproject.toml):
 """
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -33,3 +35,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cublaslt" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the session, shared by the xdist workers (they
+    inherit the controller's environment): a program that several tests or workers compile is
+    compiled once. Results are the same; only compilation is saved.
+    ``JAXMX_TEST_COMPILATION_CACHE=dir`` keeps it in ``dir``; an empty value turns it off."""
+    directory = os.environ.get("JAXMX_TEST_COMPILATION_CACHE")
+    if directory is None:  # the controller, or a run without workers: a fresh cache
+        directory = tempfile.mkdtemp(prefix="jaxmx-test-cache-")
+        os.environ["JAXMX_TEST_COMPILATION_CACHE"] = directory
+        config.add_cleanup(lambda: shutil.rmtree(directory, ignore_errors=True))
+    jax.config.update("jax_compilation_cache_dir", directory or None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -57,6 +58,7 @@ class Accumulation(NamedTuple):
         return self
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def limited_matmul(a: MXArray, b: MXArray, out_dtype, accumulation: Accumulation) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` with the accumulator of
     ``accumulation`` (operands as for :func:`jaxmx.matmul`, already checked).

@@ -275,8 +275,14 @@ def gemm_probe(
     f = get_format(fmt)
     if distribution not in ("normal", "uniform"):
         raise ValueError(f"distribution must be 'normal' or 'uniform', got {distribution!r}")
-    setting = {"shape": (m, n, k), "dist": distribution, "accum_bits": accum_bits}
-    a, b, a_q, b_q, result = _probe_gemm(key, f=f, promote_every=promote_every, **setting)
+    a, b, a_q, b_q, result = _probe_gemm(
+        key,
+        f=f,
+        sizes=(m, n, k),
+        dist=distribution,
+        accum_bits=accum_bits,
+        promote_every=promote_every,
+    )
     a_q, b_q = (np.asarray(q, np.float64) for q in (a_q, b_q))
     exact = a_q @ b_q.T  # float64: its rounding is far below any accumulator modelled here
     error = np.asarray(result, np.float64) - exact
@@ -290,11 +296,11 @@ def gemm_probe(
     }
 
 
-@functools.partial(jax.jit, static_argnames=("f", "shape", "dist", "accum_bits", "promote_every"))
-def _probe_gemm(key, *, f: Format, shape, dist: str, accum_bits, promote_every):
+@functools.partial(jax.jit, static_argnames=("f", "sizes", "dist", "accum_bits", "promote_every"))
+def _probe_gemm(key, *, f: Format, sizes, dist: str, accum_bits, promote_every):
     """:func:`gemm_probe`'s operands ``a`` [m, k] and ``b`` [n, k] drawn from ``dist``, their
     decoded MX values and the modelled GEMM of those: one compiled program per setting."""
-    m, n, k = shape
+    m, n, k = sizes
     a_key, b_key = jax.random.split(key)
     if dist == "normal":
         a, b = jax.random.normal(a_key, (m, k)), jax.random.normal(b_key, (n, k))

@@ -12,27 +12,33 @@ Example:
 """
 
 from jaxmx import diagnostics, ffi, recipes
-from jaxmx._src.alignment import BlockShardingError
-from jaxmx._src.attention import dot_product_attention
-from jaxmx._src.backends import BACKENDS, backends
-from jaxmx._src.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT, dot_general
-from jaxmx._src.einsum import einsum
-from jaxmx._src.fake_quantize import fake_quantize
-from jaxmx._src.formats import (
+from jaxmx._src.core.block_sharding import BlockShardingError
+from jaxmx._src.core.formats import (
     BLOCK_SCALE_MODES,
     FORMATS,
     NVFP4_SCALE_MODES,
     SCALE_MODES,
     Format,
 )
-from jaxmx._src.hadamard import rht
-from jaxmx._src.keys import stochastic_rounding
-from jaxmx._src.matmul import matmul
-from jaxmx._src.mxarray import MXArray
-from jaxmx._src.quantize import dequantize, quantize, quantize_rowwise_colwise
-from jaxmx._src.ragged import ragged_dot
-from jaxmx._src.recipes import Recipe
-from jaxmx._src.swizzle import swizzle_scales, unswizzle_scales
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.recipes import BACKENDS, Recipe
+from jaxmx._src.core.swizzle import swizzle_scales, unswizzle_scales
+from jaxmx._src.gemm.backends import backends
+from jaxmx._src.gemm.matmul import matmul
+from jaxmx._src.quantize.fake import fake_quantize
+from jaxmx._src.quantize.hadamard import rht
+from jaxmx._src.quantize.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.training.attention import dot_product_attention
+from jaxmx._src.training.dot_general import (
+    LHS_COLWISE,
+    LHS_INPUT,
+    RHS_COLWISE,
+    RHS_INPUT,
+    dot_general,
+)
+from jaxmx._src.training.einsum import einsum
+from jaxmx._src.training.keys import stochastic_rounding
+from jaxmx._src.training.ragged import ragged_dot
 from jaxmx._version import __version__
 
 __all__ = [

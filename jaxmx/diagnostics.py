@@ -21,8 +21,8 @@ Example:
     ((64, 8), 0.0)
 """
 
-from jaxmx._src.diagnostics import BlockStats, block_stats, gemm_probe
-from jaxmx._src.telemetry import (
+from jaxmx._src.diagnostics.block_stats import BlockStats, block_stats, gemm_probe
+from jaxmx._src.diagnostics.telemetry import (
     LEGS,
     ForwardLegs,
     GemmTelemetry,

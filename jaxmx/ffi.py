@@ -19,7 +19,7 @@ Example:
     'available'
 """
 
-from jaxmx._src.backends import (
+from jaxmx._src.gemm.backends import (
     BLOCK_FP8_FORMATS,
     FP4_FORMATS,
     NATIVE_FORMATS,
@@ -28,8 +28,8 @@ from jaxmx._src.backends import (
     cublaslt_supported,
     fp4_supported,
 )
-from jaxmx._src.extension import register_targets
-from jaxmx._src.native import (
+from jaxmx._src.gemm.extension import register_targets
+from jaxmx._src.gemm.native import (
     BLOCK_FP8_TARGET,
     FP4_TARGET,
     FP8_TARGET,

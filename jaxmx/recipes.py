@@ -8,7 +8,7 @@ Example:
     True
 """  # noqa: E501
 
-from jaxmx._src.recipes import (
+from jaxmx._src.core.recipes import (
     DEEPSEEK_FP8,
     FP8_BLOCK_POW2,
     MXFP4,

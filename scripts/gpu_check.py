@@ -383,7 +383,7 @@ def check_non_tn_mx(gpu, cpu, capability, small=False, dry_run=False):
 
     import jaxmx
     from jaxmx import ffi
-    from jaxmx._src import backends
+    from jaxmx._src.gemm import backends
 
     if capability[0] != 10:
         log(

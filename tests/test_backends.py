@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmx
-from jaxmx._src import backends
+from jaxmx._src.gemm import backends
 
 TN = (((1,), (1,)), ((), ()))
 

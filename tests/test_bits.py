@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmx._src import bits as _bits
+from jaxmx._src.core import bits as _bits
 
 FORMATS = [  # (dtype, mbits, emin, ieee specials, max)
     (ml_dtypes.float8_e4m3fn, 3, -6, False, 448.0),

@@ -168,7 +168,7 @@ def test_python_side_errors():
 
 @pytest.mark.cublaslt  # auto picks the CUDA handler for whole tiles
 def test_auto_emulates_tiles_the_native_gemm_does_not_take(monkeypatch):
-    from jaxmx._src import backends
+    from jaxmx._src.gemm import backends
 
     monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
     a = operand(jax.random.key(8), 8, 256, E4)

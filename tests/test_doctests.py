@@ -8,15 +8,14 @@ import pytest
 
 import jaxmx
 
-MODULES = sorted(
-    info.name
-    for info in pkgutil.walk_packages(jaxmx.__path__, "jaxmx.")
-    if not info.name.endswith("__main__")
+PACKAGES = list(pkgutil.walk_packages(jaxmx.__path__, "jaxmx."))
+MODULES = sorted(info.name for info in PACKAGES if not info.name.endswith("__main__"))
+
+
+# the compiled extension, a version string and the private layers' docstring-only __init__ files
+WITHOUT_CODE = ("jaxmx._ffi", "jaxmx._version") + tuple(
+    info.name for info in PACKAGES if info.ispkg and info.name.startswith("jaxmx._src")
 )
-
-
-# the compiled extension, a version string and the private packages' empty __init__ files
-WITHOUT_CODE = ("jaxmx._ffi", "jaxmx._version", "jaxmx._src", "jaxmx._src.flax")
 
 
 @pytest.mark.parametrize("name", MODULES)

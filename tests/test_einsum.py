@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxmx
-from jaxmx._src.einsum import _parse
+from jaxmx._src.training.einsum import _parse
 
 EMULATE = jaxmx.recipes.MXFP8.replace(backend="emulate")
 

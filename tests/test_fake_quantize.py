@@ -21,9 +21,9 @@ import reference as ref
 from test_quantize import CORPUS, FORMATS, MODES, assert_same_float32
 
 import jaxmx
-from jaxmx._src import keys
-from jaxmx._src.emulate import emulated_matmul
-from jaxmx._src.fake_quantize import quantize_to_grid
+from jaxmx._src.gemm.emulate import emulated_matmul
+from jaxmx._src.quantize.fake import quantize_to_grid
+from jaxmx._src.training import keys
 
 ALL = [(f, m) for f in FORMATS for m in MODES]
 

@@ -23,7 +23,7 @@ import reference as ref
 
 import jaxmx
 from jaxmx import MXArray, _ffi, ffi
-from jaxmx._src import extension
+from jaxmx._src.gemm import extension
 
 E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
 FP8_DTYPE = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
@@ -155,7 +155,7 @@ def test_e5m2_x_e5m2_is_refused_as_cublaslt_refuses_it():
     swizzled = jaxmx.swizzle_scales(a.scale)
     with pytest.raises(Exception, match="float8_e5m2 x float8_e5m2 is not supported"):
         raw_call("jaxmx_mx_matmul", (8, 8), jnp.float32, a.data, a.data, swizzled, swizzled)
-    from jaxmx._src import backends
+    from jaxmx._src.gemm import backends
 
     assert not backends.native_pair((E5M2, E5M2))
     assert backends.native_pair((E5M2, E4M3)) and backends.native_pair((E4M3, E4M3))

@@ -21,7 +21,7 @@ import pytest
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src import backends
+from jaxmx._src.gemm import backends
 
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
 OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src import backends
+from jaxmx._src.gemm import backends
 
 TN = (((1,), (1,)), ((), ()))
 LAYOUTS = [(True, False), (False, True), (True, True)]  # (lhs, rhs) K-first

@@ -21,8 +21,8 @@ from test_nvfp4 import adversarial as nvfp4_adversarial
 from test_quantize import CORPUS, FORMATS, MODES
 
 import jaxmx
-from jaxmx._src import native
-from jaxmx._src import quantize as quantize_module
+from jaxmx._src.gemm import native
+from jaxmx._src.quantize import quantize as quantize_module
 
 ALL = [(f, m) for f in FORMATS for m in MODES]
 BLOCK_FP8 = [(f, m) for f in ("fp8_e4m3_block", "fp8_e5m2_block") for m in ("fp32", "pow2")]

@@ -7,8 +7,8 @@ import pytest
 from test_block_fp8 import adversarial
 
 import jaxmx
-from jaxmx._src import backends
-from jaxmx._src.pow2_blocks import as_mx
+from jaxmx._src.gemm import backends
+from jaxmx._src.quantize.pow2_blocks import as_mx
 from jaxmx.recipes import DEEPSEEK_FP8, FP8_BLOCK_POW2
 
 

@@ -12,7 +12,7 @@ import jaxmx
 import jaxmx.flax.linen as mxl
 import jaxmx.flax.nnx as mxnnx
 from jaxmx import diagnostics
-from jaxmx._src import telemetry as telemetry_module
+from jaxmx._src.diagnostics import telemetry as telemetry_module
 
 DIMS = (((1,), (0,)), ((), ()))  # x [M, K] @ w [K, N]
 

@@ -23,9 +23,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Conversion, Rule, last_blocks
-from jaxmx._src.recipes import MXFP8, Recipe
 
 
 def dot_general(recipe: Recipe | None = MXFP8) -> MXDotGeneral:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from flax import nnx
 
+from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Conversion, Rule
-from jaxmx._src.recipes import MXFP8, Recipe
 
 
 class Linear(nnx.Linear):

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from jaxmx._src.recipes import Recipe
+from jaxmx._src.core.recipes import Recipe
 
 Rule = str | Iterable[str] | Callable[[str, Any], bool] | None
 """``None``, pattern(s), or a predicate ``(path, layer) -> bool``."""
@@ -137,7 +137,7 @@ class Conversion:
     else ``recipe``.
 
     Example:
-        >>> from jaxmx._src.recipes import MXFP8
+        >>> from jaxmx._src.core.recipes import MXFP8
         >>> conv = Conversion(MXFP8, keep_last=1)
         >>> plan = conv.plan(dict.fromkeys(["blocks/0/up", "blocks/1/up", "proj"]))
         >>> {path: recipe is MXFP8 for path, recipe in plan.items()}

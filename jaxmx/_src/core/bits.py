@@ -1,0 +1,245 @@
+"""Exact float32 bit arithmetic for powers of two (no log2/exp2, no subnormal flushing).
+
+XLA on CPU flushes float32 subnormals in arithmetic, so every place where a subnormal input or
+output matters is built from integer operations on the float32 bits.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmx._src.core import bits
+    >>> bits.ldexp_exact(jnp.float32(1.0), jnp.int32(-127)).item() == 2.0**-127
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+from jax import lax
+
+MANTISSA_BITS = 23
+MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
+EXPONENT_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def to_bits(x: jnp.ndarray) -> jnp.ndarray:
+    """float32 -> its int32 bit pattern."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def from_bits(bits: jnp.ndarray) -> jnp.ndarray:
+    """int32 bit pattern -> float32."""
+    return lax.bitcast_convert_type(bits.astype(jnp.int32), jnp.float32)
+
+
+def upcast_exact(x: jnp.ndarray) -> jnp.ndarray:
+    """Converts float16/bfloat16/float32 to float32 exactly, subnormals included."""
+    if x.dtype == jnp.bfloat16:
+        bits16 = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32)
+        return from_bits(bits16 << 16)
+    return x.astype(jnp.float32)
+
+
+BYTE_DTYPES = tuple(
+    jnp.dtype(t) for t in (jnp.uint8, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e8m0fnu)
+)
+"""The 8-bit dtypes jaxmx moves as raw bytes: codes, E8M0 scales and ``uint8`` itself."""
+
+
+SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
+"""The dtypes an E8M0 scale array may come in."""
+
+
+def as_bytes(x: jnp.ndarray, what: str = "array", dtypes=BYTE_DTYPES) -> jnp.ndarray:
+    """The ``uint8`` view of an 8-bit array; a TypeError naming ``what`` for other dtypes.
+
+    ``dtypes`` restricts what is accepted (default: any of :data:`BYTE_DTYPES`).
+    """
+    x = jnp.asarray(x)
+    if x.dtype not in dtypes:
+        names = ", ".join(d.name for d in dtypes)
+        raise TypeError(f"{what} must have an 8-bit dtype ({names}), got {x.dtype}")
+    return x if x.dtype == jnp.uint8 else lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def from_bytes(x: jnp.ndarray, dtype) -> jnp.ndarray:
+    """The inverse of :func:`as_bytes`: ``uint8`` bytes viewed as the 8-bit ``dtype``."""
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def pow2(k: jnp.ndarray) -> jnp.ndarray:
+    """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
+    k = k.astype(jnp.int32)
+    normal = from_bits(jnp.clip(k + EXPONENT_BIAS, 1, 255) << MANTISSA_BITS)
+    return jnp.where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
+
+
+def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jnp.ndarray:
+    """The E8M0 byte ``clamp(exponent(amax) + increment - emax, -127, 127) + 127`` (or 0xFF).
+
+    ``amax_bits`` are the float32 bits of a non-negative amax (NaN/Inf have exponent 0xFF and map
+    to the NaN byte). A zero or subnormal amax yields byte 0, the smallest scale.
+    """
+    exponent = amax_bits >> MANTISSA_BITS
+    byte = jnp.clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
+    return jnp.where(exponent == 0xFF, E8M0_NAN, byte)
+
+
+def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """``x * 2**k`` for float32 x and integer k in [-126, 127], exact for subnormal x.
+
+    Results below 2^-126 are flushed to zero, which is harmless here: they are far below half
+    the smallest subnormal of every MX element format and round to zero anyway.
+    """
+    bits = to_bits(x)
+    is_subnormal = (bits & 0x7F800000) == 0
+    magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
+    from_subnormal = jnp.where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
+    return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
+
+
+_division = contextvars.ContextVar("jaxmx_division", default=None)
+
+
+def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """``a / b`` in float32, rounded to nearest even as IEEE division is (broadcast shapes).
+
+    Where ``/`` alone is not: XLA turns a division by a broadcast value into a multiplication
+    by its rounded reciprocal (one ulp off), so the divisor is materialised at the quotient's
+    shape behind an optimization barrier; and inside a kernel traced under :func:`division`
+    (the Pallas quantizers compiled for a GPU, whose Triton lowering divides approximately)
+    the given function divides instead.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    override = _division.get()
+    if override is not None:
+        return override(a, b)
+    return a / lax.optimization_barrier(b)
+
+
+@contextlib.contextmanager
+def division(divide_fn):
+    """Within this block :func:`divide` calls ``divide_fn(a, b)`` (same-shape float32 arrays)."""
+    token = _division.set(divide_fn)
+    try:
+        yield
+    finally:
+        _division.reset(token)
+
+
+def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """``value * 2**k`` in float32, exact including subnormal and infinite results.
+
+    ``value`` is a decoded element (at most 24 significant bits, normal in float32 or zero), ``k``
+    an integer in [-127, 127]. Built from the bits, so no flushing: e.g. 1.0 * 2^-127 gives the
+    float32 subnormal 2^-127.
+    """
+    bits = to_bits(value)
+    sign = bits & jnp.int32(-(2**31))
+    exponent = (bits >> MANTISSA_BITS) & 0xFF
+    new_exponent = exponent + k
+    normal = bits + (k << MANTISSA_BITS)
+    significand = (bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
+    shift = jnp.clip(1 - new_exponent, 0, 31)
+    subnormal = sign | (significand >> shift)
+    out = jnp.where(new_exponent >= 1, normal, subnormal)
+    out = jnp.where(new_exponent >= 0xFF, sign | 0x7F800000, out)
+    passthrough = (exponent == 0) | (exponent == 0xFF)  # zeros, NaN and inf elements
+    return from_bits(jnp.where(passthrough, bits, out))
+
+
+def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """``a * b`` in float32, rounded to nearest even including subnormal results.
+
+    ``a`` has at most 7 significant bits (e.g. a decoded element times a decoded E4M3 scale) and
+    both are normal, zero, infinite or NaN. Products of at least ``2^-126`` come from the float
+    multiply; smaller ones, which XLA:CPU would flush to zero, from integers: the product of the
+    significands (< 2^31) shifted right with round to nearest even, whose bits are the subnormal
+    result.
+    """
+    product = a * b
+    a_bits, b_bits = to_bits(a), to_bits(b)
+    a_exp = (a_bits >> MANTISSA_BITS) & 0xFF
+    b_exp = (b_bits >> MANTISSA_BITS) & 0xFF
+    a_int = ((a_bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)) >> 17  # 7 bits, exact
+    b_int = (b_bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
+    p = a_int * b_int  # < 2^31; |a * b| = p * 2^(a_exp + b_exp - 283), biased exponents
+    shift = 134 - a_exp - b_exp  # p * 2^-shift in units of 2^-149
+    s = jnp.clip(shift, 1, 30)
+    q = p >> s
+    rest = p & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(jnp.int32)
+    q = jnp.where(shift == 31, (p > (1 << 30)).astype(jnp.int32), q)
+    q = jnp.where(shift > 31, 0, q)
+    sign = (a_bits ^ b_bits) & jnp.int32(-(2**31))
+    tiny = from_bits(q | sign)
+    normal_inputs = (a_exp > 0) & (a_exp < 0xFF) & (b_exp > 0) & (b_exp < 0xFF)
+    return jnp.where(normal_inputs & (shift >= 7), tiny, product)
+
+
+def round_to_grid(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
+    """float32 ``v`` rounded to nearest even on the grid of a float format with ``mbits``
+    mantissa bits and smallest normal ``2^emin`` (subnormals included, no upper limit).
+
+    The grid step of ``|v|`` is ``q = 2^(max(exponent(v), emin) - mbits)``. Adding ``M = 2^23 q``
+    puts ``|v| < M`` in the binade of M, whose float32 spacing is q, so the sum rounds ``|v|`` to
+    a multiple of q (ties to even) and subtracting M is exact. (M depends on ``v``: XLA folds
+    ``(x + c) - c`` for a constant c.) Float32 subnormal ``v`` round to zero. The sign is copied
+    from ``v``'s bits, so negatives that round to zero give -0, as element codes do.
+    """
+    v_bits = to_bits(v)
+    magnitude = from_bits(v_bits & 0x7FFFFFFF)
+    exponent = ((v_bits >> MANTISSA_BITS) & 0xFF) - EXPONENT_BIAS
+    step_exponent = jnp.maximum(exponent, emin) - mbits
+    big = from_bits((step_exponent + MANTISSA_BITS + EXPONENT_BIAS) << MANTISSA_BITS)
+    rounded = (magnitude + big) - big
+    return from_bits(to_bits(rounded) | (v_bits & jnp.int32(-(2**31))))
+
+
+def encode_fp8(v: jnp.ndarray, mbits: int, emin: int, on_grid: bool = False) -> jnp.ndarray:
+    """Bytes of the 8-bit float (sign, exponent, ``mbits`` mantissa bits, min normal 2^emin)
+    nearest to ``v`` (round to nearest even), for float32 ``v`` within the format's finite range.
+
+    Integer arithmetic on the float32 bits: the same bytes as XLA's convert, in about half its
+    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2). ``on_grid``:
+    ``v`` is already on the format's grid (:func:`round_to_grid`), so no rounding is done (and
+    no ``round`` primitive used, which Pallas' Triton lowering lacks).
+    """
+    bits = to_bits(v)
+    sign = (bits >> 24) & 0x80
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = from_bits(magnitude_bits)
+    shift = MANTISSA_BITS - mbits
+    # normal range: round the mantissa to mbits bits (ties to even), then rebias the exponent
+    rounded = magnitude_bits + (1 << (shift - 1)) - 1 + ((magnitude_bits >> shift) & 1)
+    normal = (rounded >> shift) - ((EXPONENT_BIAS - (1 - emin)) << mbits)
+    # subnormal range: a multiple of the smallest subnormal, 2^(emin - mbits)
+    subnormal = magnitude * 2.0 ** (mbits - emin)
+    if not on_grid:
+        subnormal = lax.round(subnormal, lax.RoundingMethod.TO_NEAREST_EVEN)
+    code = jnp.where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
+    code = jnp.where(jnp.isnan(v), 0x7F, code) | sign
+    return code.astype(jnp.uint8)
+
+
+def decode_fp8(code: jnp.ndarray, mbits: int, emin: int, ieee_specials: bool) -> jnp.ndarray:
+    """float32 values of 8-bit float bytes (the inverse of :func:`encode_fp8`), exactly.
+
+    ``ieee_specials``: the all-ones exponent holds inf and NaN (E5M2); otherwise only the
+    all-ones magnitude is NaN (E4M3).
+    """
+    code = code.astype(jnp.int32)
+    sign = (code & 0x80) << 24
+    magnitude = code & 0x7F
+    shift = MANTISSA_BITS - mbits
+    normal = (magnitude + ((EXPONENT_BIAS - (1 - emin)) << mbits)) << shift
+    subnormal = to_bits(magnitude.astype(jnp.float32) * 2.0 ** (emin - mbits))
+    out = from_bits(jnp.where(magnitude < (1 << mbits), subnormal, normal) | sign)
+    if ieee_specials:
+        top = 0x7F - (1 << mbits) + 1  # exponent all ones, mantissa zero: inf
+        out = jnp.where(magnitude == top, jnp.where(sign != 0, -jnp.inf, jnp.inf), out)
+        return jnp.where(magnitude > top, jnp.nan, out)
+    return jnp.where(magnitude == 0x7F, jnp.nan, out)

@@ -1,0 +1,183 @@
+"""Block-scaled element formats: the static facts a quantizer and a GEMM need about each one.
+
+The OCP MX formats (32-element blocks, E8M0 power-of-two scales), the block-FP8 formats of
+DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales) and NVFP4 (E2M1 in
+16-element blocks, E4M3 block scales and one float32 scale per tensor).
+
+Example:
+    >>> from jaxmx._src.core.formats import get_format
+    >>> f = get_format("mxfp8_e4m3")
+    >>> f.elem_max, f.block, f.is_fp8, f.has_inf
+    (448.0, 32, True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A block-scaled element format.
+
+    Attributes:
+        name: the public name, e.g. ``"mxfp8_e4m3"``.
+        dtype: the element dtype (``float8_e4m3fn``, ``float8_e5m2``, ``float4_e2m1fn``).
+        elem_max: the largest finite element magnitude.
+        emax: exponent of the largest power of two in the element format.
+        mbits: explicit mantissa bits of the element format.
+        emin: exponent of the smallest normal element (subnormals share its quantum).
+        block: elements per scale along the block axis (32 for every OCP MX format, 128 for
+            block FP8, 16 for NVFP4).
+        scale_dtype: ``float8_e8m0fnu`` (MX: powers of two), ``float32`` (block FP8) or
+            ``float8_e4m3fn`` (NVFP4, which adds a float32 scale per tensor).
+    """
+
+    name: str
+    dtype: np.dtype
+    elem_max: float
+    emax: int
+    mbits: int
+    emin: int
+    block: int = 32
+    scale_dtype: np.dtype = E8M0
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether scales are E8M0 (an OCP MX format), not float32 (block FP8)."""
+        return self.scale_dtype == E8M0
+
+    @property
+    def scale_modes(self) -> tuple[str, ...]:
+        """The scale rules this format takes (the first is the default)."""
+        if self.has_global_scale:
+            return NVFP4_SCALE_MODES
+        return SCALE_MODES if self.is_mx else BLOCK_SCALE_MODES
+
+    @property
+    def has_global_scale(self) -> bool:
+        """Whether a float32 per-tensor scale sits above the block scales (NVFP4)."""
+        return self.scale_dtype == E4M3
+
+    @property
+    def elem_max_mantissa(self) -> int:
+        """The 23-bit float32 mantissa field of ``elem_max`` (used by rceil)."""
+        return int(np.float32(self.elem_max).view(np.uint32)) & 0x7FFFFF
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether elements are 8-bit floats (encoded and decoded by integer code)."""
+        return jnp.dtype(self.dtype).itemsize == 1 and jnp.dtype(self.dtype).name != "float4_e2m1fn"
+
+    @property
+    def has_inf(self) -> bool:
+        """Whether the element format has infinities (IEEE-style specials: E5M2)."""
+        return bool(np.isinf(np.array(np.inf).astype(self.dtype)))
+
+    @property
+    def bits(self) -> int:
+        """Storage bits per element."""
+        return 4 if jnp.dtype(self.dtype).name == "float4_e2m1fn" else 8
+
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format("mxfp8_e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, emax=8, mbits=3, emin=-6),
+        Format("mxfp8_e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, emax=15, mbits=2, emin=-14),
+        Format("mxfp4", jnp.dtype(jnp.float4_e2m1fn), 6.0, emax=2, mbits=1, emin=0),
+        Format(
+            "fp8_e4m3_block",
+            jnp.dtype(jnp.float8_e4m3fn),
+            448.0,
+            emax=8,
+            mbits=3,
+            emin=-6,
+            block=128,
+            scale_dtype=jnp.dtype(jnp.float32),
+        ),
+        Format(
+            "fp8_e5m2_block",
+            jnp.dtype(jnp.float8_e5m2),
+            57344.0,
+            emax=15,
+            mbits=2,
+            emin=-14,
+            block=128,
+            scale_dtype=jnp.dtype(jnp.float32),
+        ),
+        Format(
+            "nvfp4",
+            jnp.dtype(jnp.float4_e2m1fn),
+            6.0,
+            emax=2,
+            mbits=1,
+            emin=0,
+            block=16,
+            scale_dtype=E4M3,
+        ),
+    )
+}
+
+SCALE_MODES = ("rceil", "floor", "ceil", "even")
+"""How a block's E8M0 exponent is derived from its absolute maximum.
+
+- ``rceil``: smallest power of two >= amax / elem_max (cuBLAS, TransformerEngine, the NVIDIA
+  MXFP8 recipe); the block maximum never saturates. The default.
+- ``floor``: OCP MX v1.0, ``floor(log2(amax)) - emax``; the block maximum may saturate.
+- ``ceil``: ``ceil(log2(amax)) - emax``.
+- ``even``: amax rounded to the element's mantissa width (ties away), then ``floor``.
+"""
+
+BLOCK_SCALE_MODES = ("fp32", "pow2")
+"""How a block-FP8 block's float32 scale ``s`` is derived from its absolute maximum ``amax``.
+
+- ``fp32``: ``s = amax / elem_max`` (float32 division, round to nearest even), at least 2^-126
+  (the smallest normal float32). The default; DeepSeek-V3's recipe.
+- ``pow2``: ``s = 2^k``, the smallest power of two with ``amax / 2^k <= elem_max`` (k at least
+  -127), computed exactly: the same exponent as the MX ``rceil`` rule.
+
+Both: an all-zero block has ``s = 1``, a block holding NaN or inf has ``s = NaN``.
+"""
+
+
+NVFP4_SCALE_MODES = ("e4m3",)
+"""NVFP4's one scale rule (:mod:`jaxmx._src.quantize.nvfp4`): the per-tensor scale
+``g = amax / (448 * 6)`` and the block scale ``E4M3((block_amax / 6) / g)``."""
+
+
+def get_format(fmt: str | Format) -> Format:
+    """Looks a format up by name (or checks a :class:`Format`), with a clear error otherwise.
+
+    Only the formats of :data:`FORMATS` are accepted: a hand-made ``Format`` that is not one of
+    them raises, since every part of jaxmx (decode, GEMMs) must know it.
+    """
+    if isinstance(fmt, Format):
+        if FORMATS.get(fmt.name) != fmt:
+            raise ValueError(
+                f"unknown MX format {fmt!r}; use one of {sorted(FORMATS)} (custom formats are "
+                "not supported)"
+            )
+        return fmt
+    if isinstance(fmt, str) and fmt in FORMATS:
+        return FORMATS[fmt]
+    raise ValueError(f"unknown MX format {fmt!r}; expected one of {sorted(FORMATS)}")
+
+
+def check_scale_mode(scale_mode: str | None, fmt: str | Format = "mxfp8_e4m3") -> str:
+    """``scale_mode`` if ``fmt`` takes it (``None``: the format's default), else a ValueError
+    naming the choices."""
+    f = get_format(fmt)
+    if scale_mode is None:
+        return f.scale_modes[0]
+    if not isinstance(scale_mode, str) or scale_mode not in f.scale_modes:
+        raise ValueError(
+            f"unknown scale_mode {scale_mode!r} for {f.name}; expected one of {f.scale_modes}"
+        )
+    return scale_mode

@@ -1,0 +1,245 @@
+"""MXArray: block-quantized data plus its block scales, as a JAX pytree.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmx
+    >>> q = jaxmx.quantize(jnp.ones((4, 40)), "mxfp8_e4m3")
+    >>> q.data.shape, q.scale.shape, q.shape
+    ((4, 64), (4, 2), (4, 40))
+    >>> jax.tree.leaves(q)[0].dtype
+    dtype(float8_e4m3fn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from jaxmx._src.core.formats import Format, get_format
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """A tensor quantized in blocks along one axis, or in 2-D tiles of its last two axes.
+
+    Attributes:
+        data: element codes, the logical shape padded along ``axis`` to a multiple of the block
+            (with ``tile``, the last two axes to multiples of the tile); padding codes are zero
+            and consumers ignore them.
+        scale: the block scales (the format's ``scale_dtype``: ``float8_e8m0fnu`` or
+            ``float32``); ``data``'s shape with ``axis`` divided by the block (with ``tile``, the
+            last two axes divided by the tile's sides).
+        fmt: the format name (static).
+        axis: the (non-negative) block axis (static); with ``tile``, the last axis.
+        shape: the logical, unpadded shape (static).
+        tile: ``None`` (1-D blocks along ``axis``) or ``(rows, cols)``: one scale per tile of the
+            last two axes (static).
+        global_scale: NVFP4 only: the float32 per-tensor scale ``g`` (a value is
+            ``code * scale * g``), shape ``()``; ``None`` for every other format.
+
+    Under ``vmap`` the leaves may carry extra leading dimensions that ``shape`` does not list.
+    Every jaxmx function that consumes an MXArray checks it first (:func:`checked`), so a
+    hand-built one with inconsistent fields raises instead of giving wrong numbers.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    global_scale: jax.Array | None = None
+
+    @property
+    def format(self) -> Format:
+        """The :class:`~jaxmx.Format` of the elements."""
+        return get_format(self.fmt)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def data_axis(self) -> int:
+        """The index of the block axis among the axes of ``data`` (which may have more or fewer
+        leading dims than ``shape`` under ``vmap``)."""
+        return self.axis + self.data.ndim - self.ndim
+
+    @property
+    def nbytes(self) -> int:
+        """Storage of data and scales in bytes (E2M1 counted as half a byte per element; the
+        NVFP4 tensor scale included)."""
+        scales = self.scale.size * self.scale.itemsize
+        if self.global_scale is not None:
+            scales += self.global_scale.size * 4
+        return self.data.size * self.format.bits // 8 + scales
+
+    def __repr__(self) -> str:
+        tile = f", tile={self.tile}" if self.tile else ""
+        return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}{tile})"
+
+
+def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """Elements per scale along each axis: ``block`` along ``axis``, or ``tile`` over the last
+    two axes, 1 elsewhere."""
+    if tile is not None:
+        return (1,) * (len(shape) - 2) + tuple(tile)
+    return tuple(block if i == axis else 1 for i in range(len(shape)))
+
+
+def padded_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """``shape`` rounded up to whole blocks (or tiles): the shape of the codes."""
+    return tuple(
+        -(-n // b) * b for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
+    )
+
+
+def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of logical ``shape`` blocked along ``axis`` (or
+    tiled)."""
+    return tuple(-(-n // b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True))
+
+
+def swap_last_axes(q: MXArray) -> MXArray:
+    """``q`` [..., A, B] blocked along A, stored transposed: [..., B, A] blocked along axis -1.
+
+    Only the 1-byte codes and the scales move. E.g. a columnwise copy quantized along M of
+    ``x [M, K]`` becomes the TN operand ``[K, M]`` of a GEMM that reduces M. A tiled ``q``
+    becomes the tiled transpose (``tile`` reversed): the same bytes serve ``x`` and ``x.T``.
+    """
+    shape = (*q.shape[:-2], q.shape[-1], q.shape[-2])
+    tile = None if q.tile is None else q.tile[::-1]
+    data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
+    return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
+
+
+def untiled(q: MXArray) -> MXArray:
+    """A tiled ``q`` as 1-D blocks along its last axis (each tile's scale repeated over its
+    rows), for consumers that take only 1-D blocks; the codes are unchanged. Needs tiles as wide
+    as the format's block."""
+    if q.tile is None:
+        return q
+    rows, cols = q.tile
+    if cols != q.format.block:
+        raise ValueError(
+            f"a {q.tile} tiled MXArray has no 1-D form: its tiles must be {q.format.block} wide"
+        )
+    n = q.shape[-2]
+    data = q.data[..., :n, :]
+    scale = jnp.repeat(q.scale, rows, axis=-2)[..., :n, :]
+    return MXArray(data, scale, q.fmt, q.axis, q.shape, global_scale=q.global_scale)
+
+
+def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
+    """Two checked GEMM operands, each blocked along K: the same K and the same batch dims."""
+    if a.shape[a.axis] != b.shape[b.axis]:
+        raise ValueError(
+            f"{where}: contracting sizes differ: a has K = {a.shape[a.axis]}, b has "
+            f"K = {b.shape[b.axis]}"
+        )
+    if a.data.shape[:-2] != b.data.shape[:-2]:
+        raise ValueError(
+            f"{where}: batch dimensions differ: a {a.data.shape[:-2]} vs b "
+            f"{b.data.shape[:-2]} (data shapes {a.data.shape} and {b.data.shape})"
+        )
+
+
+def checked(q, where: str) -> MXArray:
+    """``q`` with ``jax.Array`` leaves, after checking that its fields agree with each other.
+
+    Raises a TypeError or ValueError naming ``where`` and the field at fault: the format, the
+    axis, the logical shape, the dtypes of codes and scales, and the shapes of codes and scales
+    (which may have extra leading dimensions, the same for both, as under ``vmap``).
+    """
+    if not isinstance(q, MXArray):
+        raise TypeError(f"{where}: expected an MXArray, got {type(q).__name__}")
+    f = get_format(q.fmt)
+    shape = _shape(q.shape, where)
+    if isinstance(q.axis, bool) or not _is_index(q.axis) or not 0 <= q.axis < len(shape):
+        raise ValueError(f"{where}: MXArray axis {q.axis!r} is not an axis of shape {shape}")
+    data, scale = jnp.asarray(q.data), jnp.asarray(q.scale)
+    if data.dtype != f.dtype:
+        raise TypeError(f"{where}: an {f.name} MXArray holds {f.dtype} codes, got {data.dtype}")
+    if scale.dtype != f.scale_dtype:
+        raise TypeError(
+            f"{where}: {f.name} MXArray scales must be {f.scale_dtype}, got {scale.dtype}"
+        )
+    tile = check_tile(q.tile, len(shape), where)
+    if tile is not None and q.axis != len(shape) - 1:
+        raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {q.axis}")
+    want_data = padded_shape(shape, q.axis, f.block, tile)
+    want_scale = scale_shape(shape, q.axis, f.block, tile)
+    # Under vmap the leaves gain leading dims, or lose the logical shape's leading dims (an
+    # MXArray built outside and vmapped over): compare the trailing dims, block axis included.
+    n = min(data.ndim, len(shape))
+    consistent = (
+        len(shape) - q.axis <= n  # the block axis is among the leaves' dims
+        and data.ndim == scale.ndim
+        and data.shape[: data.ndim - n] == scale.shape[: scale.ndim - n]
+        and data.shape[data.ndim - n :] == want_data[len(shape) - n :]
+        and scale.shape[scale.ndim - n :] == want_scale[len(shape) - n :]
+    )
+    if not consistent:
+        raise ValueError(
+            f"{where}: an MXArray of logical shape {shape} blocked along axis {q.axis}"
+            f"{f' in {tile} tiles' if tile else ''} holds "
+            f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
+            f"leading batch dims), got codes {data.shape} and scales {scale.shape}"
+        )
+    global_scale = _checked_global_scale(q.global_scale, f, data.shape[: data.ndim - n], where)
+    return MXArray(data, scale, f.name, q.axis, shape, tile, global_scale)
+
+
+def _checked_global_scale(g, f: Format, batch: tuple[int, ...], where: str):
+    """``g`` as a float32 array shaped like the leaves' extra leading dims (NVFP4), or None."""
+    if not f.has_global_scale:
+        if g is not None:
+            raise ValueError(f"{where}: an {f.name} MXArray has no global_scale, got one")
+        return None
+    if g is None:
+        raise ValueError(f"{where}: an {f.name} MXArray needs its float32 global_scale, got None")
+    g = jnp.asarray(g)
+    if g.dtype != jnp.float32 or g.shape != batch:
+        raise TypeError(
+            f"{where}: an {f.name} MXArray's global_scale must be float32 of shape {batch}, got "
+            f"{g.dtype}{g.shape}"
+        )
+    return g
+
+
+def check_tile(tile, ndim: int, where: str) -> tuple[int, int] | None:
+    """``tile`` as a pair of positive sizes (or ``None``), for an array of rank ``ndim``."""
+    if tile is None:
+        return None
+    try:
+        rows, cols = (operator.index(t) for t in tile)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{where}: tile must be a pair of sizes (rows, cols), got {tile!r}"
+        ) from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{where}: tile sizes must be positive, got {tile!r}")
+    if ndim < 2:
+        raise ValueError(f"{where}: 2-D tiles need an array of rank >= 2, got rank {ndim}")
+    return rows, cols
+
+
+def _shape(shape, where: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_is_index(d) and not isinstance(d, bool) and d >= 0 for d in dims):
+        raise ValueError(f"{where}: MXArray shape must be a tuple of sizes, got {shape!r}")
+    return tuple(operator.index(d) for d in dims)
+
+
+def _is_index(x) -> bool:
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True

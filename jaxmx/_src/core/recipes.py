@@ -1,0 +1,193 @@
+"""Recipe, the frozen description of how jaxmx.dot_general quantizes its GEMMs, and presets.
+
+Example:
+    >>> from jaxmx._src.core.recipes import MXFP8
+    >>> MXFP8.replace(backend="emulate").backend, hash(MXFP8) == hash(MXFP8.replace())
+    ('emulate', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from jaxmx._src.core.formats import check_scale_mode, get_format
+
+BACKENDS = ("auto", "emulate", "ffi")
+"""The values of ``backend=`` / ``Recipe.backend``."""
+
+
+def check_backend(backend: str) -> str:
+    """Returns ``backend`` if it is one of :data:`BACKENDS`, else raises a ValueError."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    return backend
+
+
+STEP = 32  # products aligned together
+MAX_BITS = 18  # 33 terms of up to 2^18 quanta: the step's sum is exact in float32
+
+
+class Accumulation(NamedTuple):
+    """A limited-precision accumulator: ``bits`` kept per 32-product step, and the period (in
+    elements of K, a multiple of 32) at which partial sums are promoted to float32 (``None``:
+    never, the whole K is one partial sum)."""
+
+    bits: int
+    promote_every: int | None = None
+
+    def check(self) -> Accumulation:
+        """Itself, after checking its fields (``ValueError`` naming the bad one)."""
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= MAX_BITS:
+            raise ValueError(
+                f"accum_bits must be an integer in [1, {MAX_BITS}] (the model sums each step's "
+                f"33 truncated terms exactly in float32), got {self.bits!r}"
+            )
+        every = self.promote_every
+        if every is not None and (not isinstance(every, int) or every <= 0 or every % STEP):
+            raise ValueError(f"promote_every must be a positive multiple of {STEP}, got {every!r}")
+        return self
+
+
+RESIDUALS = ("quantized", "high_precision")
+GRAD_ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How :func:`jaxmx.dot_general` quantizes its three GEMMs (frozen and hashable).
+
+    Attributes:
+        fwd: format of the activations and weights (both copies), e.g. ``"mxfp8_e4m3"`` or
+            ``"fp8_e4m3_block"``.
+        grad: format of the output gradient in the dgrad and wgrad GEMMs.
+        scale_mode: the scale rule of both formats: :data:`jaxmx.SCALE_MODES` for MX formats
+            (``"rceil"`` by default), :data:`jaxmx.BLOCK_SCALE_MODES` (``"fp32"``, ``"pow2"``)
+            for block FP8.
+        backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
+            (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native custom
+            call: cuBLASLt on a Blackwell GPU, its C++ twin on the CPU).
+        residuals: ``"quantized"`` saves only the columnwise MX copies of both operands for the
+            backward pass (about 1 byte per element); ``"high_precision"`` saves the inputs and
+            quantizes them in the backward pass.
+        grad_rounding: ``"nearest"`` (round to nearest even) or ``"stochastic"`` (unbiased
+            stochastic rounding of the output gradient; :func:`jaxmx.dot_general` then needs a
+            ``key``).
+        accum_bits: ``None`` (exact products, float32 accumulation) or the bits a modelled
+            limited-precision accumulator keeps per 32-product step (14 models Hopper's FP8
+            tensor cores, see :mod:`jaxmx._src.gemm.accumulation`). Emulation only: ``"auto"`` then
+            emulates on every platform and ``"ffi"`` is refused.
+        promote_every: with ``accum_bits``, promote the partial sum to float32 every this many
+            elements of K (a multiple of 32; DeepSeek-V3 uses 128); ``None``: never.
+        weight_tile: ``None``, or ``(block, block)`` of ``fwd``'s block: the weight (the rhs of
+            :func:`jaxmx.dot_general`) is quantized once per step in 2-D tiles, and the same
+            bytes serve the forward GEMM and, transposed, the input-gradient GEMM.
+        rht: apply the random Hadamard transform (:func:`jaxmx.rht`, 16x16 blocks) to both
+            operands of the weight-gradient GEMM along its reduction axis before they are
+            quantized: the product is unchanged in exact arithmetic, and outliers are spread
+            over their 16-blocks.
+        rht_seed: the seed of the transform's random signs (one fixed sign vector for every
+            layer and step, derived from ``jax.random.key(rht_seed)``).
+    """
+
+    fwd: str = "mxfp8_e4m3"
+    grad: str = "mxfp8_e4m3"
+    scale_mode: str = "rceil"
+    backend: str = "auto"
+    residuals: str = "quantized"
+    grad_rounding: str = "nearest"
+    accum_bits: int | None = None
+    promote_every: int | None = None
+    weight_tile: tuple[int, int] | None = None
+    rht: bool = False
+    rht_seed: int = 0
+
+    def __post_init__(self):
+        fwd, grad = get_format(self.fwd), get_format(self.grad)
+        check_scale_mode(self.scale_mode, fwd)
+        check_scale_mode(self.scale_mode, grad)
+        if self.weight_tile is not None:
+            if tuple(self.weight_tile) != (fwd.block, fwd.block):
+                raise ValueError(
+                    f"Recipe.weight_tile must be None or ({fwd.block}, {fwd.block}) for "
+                    f"{fwd.name} (square tiles of its block), got {self.weight_tile!r}"
+                )
+            object.__setattr__(self, "weight_tile", (fwd.block, fwd.block))
+        check_backend(self.backend)
+        if not isinstance(self.rht, bool):
+            raise TypeError(f"Recipe.rht must be True or False, got {self.rht!r}")
+        if isinstance(self.rht_seed, bool) or not isinstance(self.rht_seed, int):
+            raise TypeError(f"Recipe.rht_seed must be an int, got {self.rht_seed!r}")
+        _check_choice("residuals", self.residuals, RESIDUALS)
+        _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
+        if self.accum_bits is None and self.promote_every is not None:
+            raise ValueError("Recipe.promote_every needs accum_bits (a limited accumulator)")
+        if self.accum_bits is not None:
+            Accumulation(self.accum_bits, self.promote_every).check()
+            if not (fwd.is_mx and grad.is_mx):
+                raise ValueError("Recipe.accum_bits models MX GEMMs only, not block FP8")
+            if self.backend == "ffi":
+                raise ValueError(
+                    "Recipe.accum_bits models the accumulator in the emulation only; use "
+                    "backend='auto' or 'emulate', not 'ffi'"
+                )
+
+    @property
+    def accumulation(self) -> Accumulation | None:
+        """The modelled accumulator, or ``None`` for exact float32 accumulation."""
+        if self.accum_bits is None:
+            return None
+        return Accumulation(self.accum_bits, self.promote_every)
+
+    def replace(self, **changes) -> Recipe:
+        """A copy with some fields changed, e.g. ``recipe.replace(backend="emulate")``."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown Recipe.{field} {value!r}; expected one of {choices}")
+
+
+MXFP8 = Recipe()
+"""NVIDIA's MXFP8 recipe: E4M3 everywhere, rceil scales (matches BF16 training)."""
+
+MXFP8_HYBRID = Recipe(grad="mxfp8_e5m2")
+"""E4M3 activations and weights, E5M2 gradients."""
+
+MXFP8_2D = Recipe(weight_tile=(32, 32))
+"""MXFP8 with 32x32 weight tiles: one quantization of each weight per step serves the forward
+and the input-gradient GEMMs (W and W^T quantized consistently)."""
+
+DEEPSEEK_FP8 = Recipe(
+    fwd="fp8_e4m3_block", grad="fp8_e4m3_block", scale_mode="fp32", weight_tile=(128, 128)
+)
+"""DeepSeek-V3's FP8 recipe: E4M3 everywhere, activations and gradients in 1x128 blocks along
+each GEMM's reduction axis, weights in 128x128 tiles, float32 scales (``amax / 448``)."""
+
+FP8_BLOCK_POW2 = DEEPSEEK_FP8.replace(scale_mode="pow2")
+""":data:`DEEPSEEK_FP8` with power-of-two scales."""
+
+NVFP4 = Recipe(
+    fwd="nvfp4",
+    grad="nvfp4",
+    scale_mode="e4m3",
+    weight_tile=(16, 16),
+    rht=True,
+    grad_rounding="stochastic",
+)
+"""NVIDIA's NVFP4 pretraining recipe (arXiv 2509.25149): E2M1 in 16-blocks with E4M3 scales and
+a float32 tensor scale for every operand, 16x16 weight tiles, the random Hadamard transform on
+the weight-gradient GEMM and stochastic rounding of gradients. (The paper also keeps the last
+layers in higher precision: ``quantize_model(..., keep_last=N)``.)"""
+
+MXFP4 = Recipe(
+    fwd="mxfp4",
+    grad="mxfp4",
+    weight_tile=(32, 32),
+    rht=True,
+    grad_rounding="stochastic",
+)
+"""The same recipe in MXFP4: E2M1 in 32-blocks with E8M0 scales (rceil), 32x32 weight tiles,
+the random Hadamard transform on the weight-gradient GEMM and stochastic rounding of
+gradients."""

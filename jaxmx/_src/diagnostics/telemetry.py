@@ -1,0 +1,307 @@
+"""In-training telemetry: the quantization statistics of every leg of every jaxmx GEMM in a step.
+
+Inside a :func:`telemetry` block, each :func:`jaxmx.dot_general` call (and so every einsum,
+attention product and Flax layer built on it) records, without host callbacks:
+
+- in the forward pass, :class:`LegStats` of its two operands as quantized for the forward GEMM
+  (``lhs`` and ``rhs``, each along the contracting axis), returned by the block as arrays;
+- in the backward pass, :class:`LegStats` of the output gradient's two copies (``dgrad``:
+  rowwise, along the rhs free axes; ``wgrad``: columnwise, along the lhs free axes), delivered as
+  the *gradient* of a zero "tap" that the caller passes in and differentiates against.
+
+Outside a block nothing is recorded and nothing is added to the program.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmx
+    >>> from jaxmx import diagnostics
+    >>> dims = (((1,), (0,)), ((), ()))
+    >>> def loss(w, x, taps):
+    ...     with diagnostics.telemetry(taps) as tel, diagnostics.named("layer"):
+    ...         y = jaxmx.dot_general(x, w, dims)
+    ...     return (y**2).sum(), tel.forward
+    >>> x, w = jnp.ones((32, 64)), jnp.ones((64, 32))
+    >>> taps = diagnostics.gemm_taps(loss, w, x)
+    >>> step = jax.jit(jax.value_and_grad(loss, (0, 2), has_aux=True))
+    >>> (_, fwd), (_, grads) = step(w, x, taps)
+    >>> report = diagnostics.telemetry_report(fwd, grads)
+    >>> list(report), float(report["layer"].dgrad.saturated_max)
+    (['layer'], 0.0)
+    >>> print(diagnostics.first_nonfinite(report))
+    None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmx._src.core.formats import get_format
+from jaxmx._src.diagnostics.block_stats import block_stats
+from jaxmx._src.quantize.hadamard import rht
+
+
+class LegStats(NamedTuple):
+    """Tail statistics of one quantized GEMM operand (float32 scalars; see
+    :class:`jaxmx.diagnostics.BlockStats` for the per-block definitions). Blocks holding NaN or
+    inf are left out of every statistic but ``nonfinite``.
+
+    Attributes:
+        span_ratio_max, span_ratio_p99: the largest and the 99th-percentile block span ratio.
+        underflow_blocks: the fraction of blocks with any underflowing element.
+        underflow_mean, underflow_max: the mean and largest per-block underflow fraction.
+        flushed_mean, flushed_max: the mean and largest per-block fraction flushed to zero.
+        saturated_max: the largest per-block fraction clipped at the format's maximum.
+        sqnr_db_min: the worst block's SQNR.
+        nonfinite: 1.0 if the operand held a NaN or inf, else 0.0.
+    """
+
+    span_ratio_max: jax.Array
+    span_ratio_p99: jax.Array
+    underflow_blocks: jax.Array
+    underflow_mean: jax.Array
+    underflow_max: jax.Array
+    flushed_mean: jax.Array
+    flushed_max: jax.Array
+    saturated_max: jax.Array
+    sqnr_db_min: jax.Array
+    nonfinite: jax.Array
+
+
+class ForwardLegs(NamedTuple):
+    """What a GEMM records in the forward pass: its position among the block's GEMMs (int32)
+    and the statistics of its two operands."""
+
+    index: jax.Array
+    lhs: LegStats
+    rhs: LegStats
+
+
+class GradientLegs(NamedTuple):
+    """What a GEMM's tap receives as its gradient: the statistics of the output gradient's
+    rowwise copy (dgrad) and columnwise copy (wgrad)."""
+
+    dgrad: LegStats
+    wgrad: LegStats
+
+
+class GemmTelemetry(NamedTuple):
+    """One GEMM's four legs (numpy values), as :func:`telemetry_report` returns them."""
+
+    index: int
+    lhs: LegStats
+    rhs: LegStats
+    dgrad: LegStats | None  # None: no gradient was taken
+    wgrad: LegStats | None
+
+
+LEGS = ("lhs", "rhs", "dgrad", "wgrad")
+"""The legs in program order within a GEMM: forward operands, then the gradient's copies."""
+
+
+def leg_stats(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
+    """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding)."""
+    s = block_stats(jax.lax.stop_gradient(x), fmt, axis=axis, scale_mode=scale_mode)
+    finite = jnp.isfinite(s.amax)
+
+    def masked(a):
+        return jnp.where(finite, a.astype(jnp.float32), jnp.nan)
+
+    span, under = masked(s.span_ratio), masked(s.underflow)
+    flushed = masked(s.flushed)
+    return LegStats(
+        span_ratio_max=jnp.nanmax(span),
+        span_ratio_p99=jnp.nanpercentile(span, 99, method="nearest"),
+        underflow_blocks=jnp.nanmean(jnp.where(finite, under > 0, jnp.nan)),
+        underflow_mean=jnp.nanmean(under),
+        underflow_max=jnp.nanmax(under),
+        flushed_mean=jnp.nanmean(flushed),
+        flushed_max=jnp.nanmax(flushed),
+        saturated_max=jnp.nanmax(masked(s.saturated)),
+        sqnr_db_min=jnp.nanmin(masked(s.sqnr_db)),
+        nonfinite=jnp.any(~finite).astype(jnp.float32),
+    )
+
+
+class Telemetry:
+    """The record of a :func:`telemetry` block: ``forward`` maps each GEMM's name to its
+    :class:`ForwardLegs` (return it from the traced function to read it)."""
+
+    def __init__(self, taps: dict[str, GradientLegs] | None):
+        self.taps = taps
+        self.forward: dict[str, ForwardLegs] = {}
+        self._trace = _current_trace()
+
+    def _unique(self, name: str) -> str:
+        candidates = [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 1)]
+        return next(c for c in candidates if c not in self.forward)
+
+
+_active: list[Telemetry] = []  # the open telemetry blocks, innermost last
+_names: list[str] = []  # the open named() blocks
+_discovering: list[list[str]] = []  # gemm_taps: where the names of the traced GEMMs go
+
+
+@contextlib.contextmanager
+def telemetry(taps: dict[str, GradientLegs] | None = None) -> Iterator[Telemetry]:
+    """Records every jaxmx GEMM called in the block (see the module docstring).
+
+    Enter it inside the function that is jitted and differentiated (a loss function), around
+    the model's call; GEMMs inside a nested ``jax.checkpoint``, ``scan``, ``vmap`` or ``jit``
+    within the block are refused (their values could not leave it).
+
+    Args:
+        taps: ``{name: zeros}`` from :func:`gemm_taps` to record the backward legs too (take the
+            gradient with respect to ``taps``), or ``None`` for the forward legs only.
+
+    Yields:
+        a :class:`Telemetry` whose ``forward`` dict is filled as the GEMMs run.
+    """
+    record = Telemetry(taps)
+    _active.append(record)
+    try:
+        yield record
+    finally:
+        _active.pop()
+
+
+@contextlib.contextmanager
+def named(name: str) -> Iterator[None]:
+    """Names the jaxmx GEMMs called in the block for :func:`telemetry` (nested names join with
+    ``/``; a name used twice gets ``#1``, ``#2``, ...). GEMMs outside any ``named`` block are
+    called ``dot_general``. The Flax layers name theirs by module path."""
+    _names.append(name)
+    try:
+        yield
+    finally:
+        _names.pop()
+
+
+def gemm_taps(fn: Callable, *args, **kwargs) -> dict[str, GradientLegs]:
+    """Zero taps for every GEMM that ``fn(*args, **kwargs)`` records in a :func:`telemetry`
+    block: trace ``fn`` once (abstractly, nothing runs) with ``taps=None`` passed as its last
+    positional argument, and return ``{name: zeros}`` to pass in its place."""
+    names: list[str] = []
+
+    def discover(*args, **kwargs):
+        _discovering.append(names)
+        try:
+            return fn(*args, None, **kwargs)
+        finally:
+            _discovering.pop()
+
+    jax.eval_shape(lambda: discover(*args, **kwargs))  # args may be nnx modules: closed over
+    zero = LegStats(*[jnp.zeros((), jnp.float32)] * len(LegStats._fields))
+    return {name: GradientLegs(zero, zero) for name in names}
+
+
+def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
+    """``y`` (the result of ``dot_general(lhs, rhs)``), recorded in the active :func:`telemetry`
+    block if there is one. ``canonical(lhs, rhs)`` gives the ``[B, M, K]`` and ``[B, N, K]``
+    operands; ``y`` is ``[batch..., lhs free..., rhs free...]``, ``[B, M, N]`` once flattened."""
+    if not _active:
+        return y
+    record = _active[-1]
+    if _current_trace() is not record._trace:
+        raise ValueError(
+            "jaxmx.diagnostics.telemetry: a GEMM ran inside a transformation (jax.checkpoint, "
+            "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave it; "
+            "enter the block inside that transformation, or call the GEMM outside it"
+        )
+    formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
+    if not all(f.is_mx or f.has_global_scale for f in formats):
+        raise ValueError(
+            f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats are "
+            f"{recipe.fwd} / {recipe.grad}"
+        )
+    name = record._unique("/".join(_names) or "dot_general")
+    if _discovering:
+        _discovering[-1].append(name)
+    x, w = canonical(lhs, rhs)
+    record.forward[name] = ForwardLegs(
+        index=jnp.int32(len(record.forward)),
+        lhs=leg_stats(x, recipe.fwd, -1, recipe.scale_mode),
+        rhs=leg_stats(w, recipe.fwd, -1, recipe.scale_mode),
+    )
+    if record.taps is None:
+        return y
+    if name not in record.taps:
+        raise KeyError(
+            f"jaxmx.diagnostics.telemetry: no tap for GEMM {name!r}; build the taps with "
+            f"gemm_taps() from the same function (they name {sorted(record.taps)})"
+        )
+    rht_seed = recipe.rht_seed if recipe.rht else None
+    return _tap((recipe.grad, recipe.scale_mode, x.shape[:2], rht_seed), y, record.taps[name])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(static, y, tap):
+    return y
+
+
+def _tap_fwd(static, y, tap):
+    return y, None
+
+
+def _tap_bwd(static, _, g):
+    fmt, scale_mode, (b, m), rht_seed = static
+    g3 = g.reshape(b, m, math.prod(g.shape) // (b * m))  # [B, M, N], as the backward GEMMs see it
+    # the wgrad copy as the GEMM quantizes it: after the recipe's Hadamard transform, if any
+    g_col = g3 if rht_seed is None else rht(g3, -2, jax.random.key(rht_seed))
+    return g, GradientLegs(
+        dgrad=leg_stats(g3, fmt, -1, scale_mode), wgrad=leg_stats(g_col, fmt, -2, scale_mode)
+    )
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def _current_trace():
+    from jax._src import core  # the trace that values made now belong to
+
+    return core.trace_ctx.trace
+
+
+def telemetry_report(
+    forward: dict[str, ForwardLegs], gradients: dict[str, GradientLegs] | None = None
+) -> dict[str, GemmTelemetry]:
+    """One step's telemetry as ``{name: GemmTelemetry}`` in program order, as numpy values.
+
+    Args:
+        forward: :attr:`Telemetry.forward` returned from the traced function.
+        gradients: the gradient with respect to the taps of :func:`gemm_taps` (``None``: forward
+            legs only).
+    """
+    forward = jax.device_get(forward)
+    gradients = jax.device_get(gradients) if gradients is not None else {}
+    order = sorted(forward, key=lambda name: int(np.min(forward[name].index)))
+    return {
+        name: GemmTelemetry(
+            int(np.min(forward[name].index)),
+            forward[name].lhs,
+            forward[name].rhs,
+            *(gradients[name] if name in gradients else (None, None)),
+        )
+        for name in order
+    }
+
+
+def first_nonfinite(report: dict[str, GemmTelemetry]) -> tuple[str, str] | None:
+    """``(name, leg)`` of the first leg, in program order, that held a NaN or inf, or ``None``.
+
+    Program order: every GEMM's forward legs (``lhs``, then ``rhs``) in call order, then the
+    backward legs (``dgrad``, then ``wgrad``) in reverse call order, as backpropagation runs.
+    """
+    forward = [(name, leg) for name in report for leg in ("lhs", "rhs")]
+    backward = [(name, leg) for name in reversed(list(report)) for leg in ("dgrad", "wgrad")]
+    for name, leg in forward + backward:
+        stats = getattr(report[name], leg)
+        if stats is not None and np.any(np.asarray(stats.nonfinite) > 0):
+            return name, leg
+    return None

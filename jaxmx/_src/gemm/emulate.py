@@ -1,0 +1,123 @@
+"""The emulated MX GEMM: decode both operands, then ``lax.dot_general`` with float32 accumulation.
+
+Every product of two MX elements (E4M3 / E5M2 / E2M1 code times a power of two) is exact in
+float32, so the emulation is the MX definition up to the order of the float32 summation. To keep
+that true across the whole E8M0 range (``2^-127 .. 2^127``, beyond what float32 can hold once
+multiplied by an element), each row of each operand is decoded relative to its own largest scale
+``2^s`` (its values are then at most ``elem_max``) and the result is multiplied by
+``2^(s_a + s_b)`` at the end: exact powers of two, so results are unchanged wherever the plain
+decode was representable, and finite wherever the exact result is (e.g. a block at ``2^128``
+times one at ``2^-100``). What is left: a product of two blocks that lie, together, more than
+about ``2^100`` below their rows' largest blocks can round to zero, and on XLA:CPU (which flushes
+float32 subnormals) subnormal results become zero. The native GEMM keeps both. Codes in the
+padding of a K that is not a multiple of the block are ignored, whatever they hold.
+
+NVFP4 operands (:mod:`jaxmx._src.quantize.nvfp4`) enter the dot as ``code * s`` (exact: at most 6
+significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
+``alpha = g_a * g_b``, their tensor scales' float32 product, as cuBLASLt applies alpha.
+
+Operands enter the dot as bfloat16, exactly: an element times a power of two has at most 6
+significant bits (4 for E4M3 times an E8M0 scale, 6 for an NVFP4 ``code * s``) and float32's
+exponent range, and bf16 x bf16 products are exact in float32. It is also the fast form on CPUs
+with native bf16 dot products: there XLA:CPU multiplies bfloat16 operands up to 2x faster than
+float32 ones (docs/benchmarks.md, "GEMM operands").
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> from jaxmx._src.gemm.emulate import emulated_matmul
+    >>> a = jaxmx.quantize(jnp.ones((2, 64)))
+    >>> b = jaxmx.quantize(jnp.full((3, 64), 0.5))
+    >>> emulated_matmul(a, b, jnp.float32).tolist()
+    [[32.0, 32.0, 32.0], [32.0, 32.0, 32.0]]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx._src.core import bits
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize import nvfp4
+from jaxmx._src.quantize.fake import GridArray, element_values
+from jaxmx._src.quantize.quantize import scale_exponent_bytes
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -> jax.Array:
+    """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX operands.
+
+    ``a`` is [..., M, K] or [..., K, M] and ``b`` [..., N, K] or [..., K, N], each blocked along
+    K; they are contracted in their own layouts (no transposes). Either may be a
+    :class:`~jaxmx._src.quantize.fake.GridArray` (element values instead of codes: the same
+    result, bit for bit, without decoding codes). Jitted, so eager callers run one compiled
+    kernel.
+    """
+
+    a_values, a_shift = decode_rows(a, jnp.bfloat16)
+    b_values, b_shift = decode_rows(b, jnp.bfloat16)
+    nd = a.data.ndim
+    batch = tuple(range(nd - 2))
+    out = lax.dot_general(
+        a_values,
+        b_values,
+        (((a.data_axis,), (b.data_axis,)), (batch, batch)),
+        preferred_element_type=jnp.float32,
+    )
+    shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
+    half = shift // 2  # two exact factors: each within float32's exponent range
+    out = out * bits.pow2(half) * bits.pow2(shift - half)
+    return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
+
+
+def _alpha(a, b, ndim: int) -> jax.Array:
+    """``g_a * g_b`` (1 for operands without a tensor scale), broadcast against the result."""
+    alpha = jnp.float32(1.0)
+    for q in (a, b):
+        if getattr(q, "global_scale", None) is not None:
+            g = q.global_scale
+            alpha = alpha * g.reshape(g.shape + (1,) * (ndim - g.ndim))
+    return alpha
+
+
+def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
+    """(values in ``dtype``, per-row exponent s): ``q``'s values are ``values * 2^s``, with each
+    row's values decoded relative to its largest (finite) scale, so at most ``elem_max``.
+    NVFP4: ``code * s`` per element and s = 0 (the tensor scale is left out)."""
+    f = q.format
+    data, k = q.data, q.data_axis
+    n_blocks = q.scale.shape[k]
+    # blocks: [..., rows, KB, block] (K last) or [..., KB, block, rows] (K first)
+    blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
+    values = element_values(q).reshape(blocked)
+    if f.has_global_scale:
+        s = nvfp4.block_scales(q.scale)
+        scaled = values * jnp.expand_dims(s, k + 1)
+        row_max = jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
+        return _without_padding(scaled, q, blocked).reshape(data.shape).astype(dtype), row_max
+    byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
+    exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
+    # over K, per row (an empty K gives the smallest exponent)
+    row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True, initial=-bits.EXPONENT_BIAS)
+    relative = exponent - row_max  # <= 0
+    # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
+    scaled = values * bits.pow2(jnp.maximum(relative, -126))
+    scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
+    scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
+    scaled = _without_padding(scaled, q, blocked)
+    row_max = jnp.squeeze(row_max, (k, k + 1))
+    return scaled.reshape(data.shape).astype(dtype), row_max
+
+
+def _without_padding(scaled, q, blocked):
+    """``scaled`` (blocked values) with the padding codes along K zeroed, whatever they hold."""
+    f, k = q.format, q.data_axis
+    if q.shape[q.axis] != q.data.shape[k]:
+        index = lax.broadcasted_iota(jnp.int32, blocked, k) * f.block + lax.broadcasted_iota(
+            jnp.int32, blocked, k + 1
+        )
+        scaled = jnp.where(index < q.shape[q.axis], scaled, 0)
+    return scaled

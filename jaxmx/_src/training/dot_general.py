@@ -1,0 +1,454 @@
+"""``jaxmx.dot_general``: a drop-in for ``lax.dot_general`` that trains in MX formats.
+
+Every GEMM runs on operands quantized along its own reduction axis (docs/training_gemm.md). With
+``x [M, K]``, ``w [N, K]`` and the output gradient ``g [M, N]``:
+
+========  ========  =========  ============================  ============================
+GEMM      result    reduction  lhs operand                   rhs operand
+========  ========  =========  ============================  ============================
+fprop     y [M, N]  K          x rowwise [M, K] along K      w rowwise [N, K] along K
+dgrad     dx [M, K] N          g rowwise [M, N] along N      w colwise [K, N] along N
+wgrad     dw [N, K] M          g colwise [N, M] along M      x colwise [K, M] along M
+========  ========  =========  ============================  ============================
+
+Any ``dimension_numbers`` are reduced to this form by transposes and reshapes: batch dimensions
+become a leading batch of independent GEMMs, several contracting dimensions merge into one K. A
+weight stored with its contracting dimensions before its free ones (a Flax kernel ``[K, N]``) is
+not transposed: each GEMM quantizes it along its own axis in place.
+
+Example:
+    >>> import jax, jax.numpy as jnp, jaxmx
+    >>> x = jnp.ones((8, 64)); w = jnp.ones((16, 64))
+    >>> y = jaxmx.dot_general(x, w, (((1,), (1,)), ((), ())))
+    >>> y.shape, y[0, 0].item()
+    ((8, 16), 64.0)
+    >>> dw = jax.grad(lambda w: jaxmx.dot_general(x, w, (((1,), (1,)), ((), ()))).sum())(w)
+    >>> dw[0, 0].item()
+    8.0
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxmx._src.core.block_sharding import (
+    BlockShardingError,
+    ReducedAxis,
+    merged_axis_problem,
+    named_sharding,
+    shards,
+)
+from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.mxarray import MXArray, swap_last_axes
+from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.core.vma import varying_axes
+from jaxmx._src.diagnostics import telemetry
+from jaxmx._src.gemm.backends import per_platform, pow2_blocks_on_mx
+from jaxmx._src.gemm.emulate import emulated_matmul
+from jaxmx._src.gemm.matmul import matmul
+from jaxmx._src.quantize.fake import quantize_to_grid
+from jaxmx._src.quantize.hadamard import rht
+from jaxmx._src.quantize.pow2_blocks import as_mx
+from jaxmx._src.quantize.quantize import quantize
+from jaxmx._src.training import keys
+
+LHS_COLWISE = "jaxmx_lhs_colwise"
+RHS_COLWISE = "jaxmx_rhs_colwise"
+LHS_INPUT = "jaxmx_lhs"
+RHS_INPUT = "jaxmx_rhs"
+"""``checkpoint_name`` s of the residuals (quantized default, then high precision), for remat
+policies such as ``jax.checkpoint_policies.save_only_these_names(LHS_COLWISE, RHS_COLWISE)``."""
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    recipe: Recipe = MXFP8,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """``lax.dot_general`` with MX-quantized forward, dgrad and wgrad GEMMs.
+
+    Args:
+        lhs, rhs: float32, bfloat16 or float16 arrays.
+        dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`` as
+            for ``lax.dot_general``.
+        precision: accepted for signature compatibility and ignored: the recipe defines the
+            precision of the products (exact MX products, float32 accumulation).
+        preferred_element_type: the output dtype; default the promoted input dtype.
+        recipe: a :class:`jaxmx.Recipe`.
+        key: a PRNG key for ``recipe.grad_rounding == "stochastic"`` (pass a fresh key each
+            step, e.g. ``jax.random.fold_in(key, step)``), else taken from an enclosing
+            :func:`jaxmx.stochastic_rounding` block; ignored with ``"nearest"``. The gradient's
+            rowwise and columnwise copies use ``fold_in(key, 0)`` and ``fold_in(key, 1)``.
+
+    Returns:
+        An array shaped like ``lax.dot_general``'s result: batch dims, lhs free dims, rhs free dims.
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
+    lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
+    rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
+    key = keys.gradient_key(recipe.grad_rounding, key)
+    dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
+    out_dtype = check_float_dtype(
+        preferred_element_type or jnp.result_type(lhs, rhs),
+        "jaxmx.dot_general: preferred_element_type",
+    )
+    # Sharded reduction axes must be split into whole blocks: K for every call; M (reduced by
+    # wgrad) and N (reduced by dgrad) only when a gradient is taken, so those wait for the VJP.
+    problems = _alignment_problems(lhs, rhs, dims, get_format(recipe.fwd).block)
+    if "K" in problems:
+        raise BlockShardingError(problems["K"])
+    if "N" in problems and recipe.weight_tile:  # the forward's weight tiles span N too
+        raise BlockShardingError(problems["N"])
+    static = _Static(
+        recipe,
+        out_dtype,
+        lhs.dtype,
+        rhs.dtype,
+        tuple(problems.values()),
+        rhs_k_first=_keeps_k_first(dims, rhs.ndim, recipe),
+    )
+    mesh, out_spec = _explicit_layout(lhs, rhs, dims)
+    if mesh is None:
+        y = _canonical_dot(static, dims, lhs, rhs, key)
+    else:
+        # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so
+        # the GEMM runs with the mesh axes switched to Auto and gives its result the operands'
+        # layout.
+        run = functools.partial(_canonical_dot, static, dims)
+        with jax.sharding.use_abstract_mesh(mesh):
+            y = jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
+    return telemetry.observe(lhs, rhs, y, functools.partial(_canonical_operands, dims), recipe)
+
+
+def _canonical_operands(dims: _Dims, lhs, rhs, rhs_k_first: bool = False):
+    """``lhs`` as ``[B, M, K]`` and ``rhs`` as ``[B, N, K]`` (batch, free and contracting
+    dimensions each merged into one), or with ``rhs_k_first`` as ``[B, K, N]`` (a reshape of
+    ``rhs`` stored that way, see :func:`_keeps_k_first`)."""
+    b = math.prod(lhs.shape[d] for d in dims.lhs_batch)
+    m = math.prod(lhs.shape[d] for d in dims.lhs_free)
+    n = math.prod(rhs.shape[d] for d in dims.rhs_free)
+    k = math.prod(lhs.shape[d] for d in dims.lhs_contract)
+    x = lhs.transpose(dims.lhs_batch + dims.lhs_free + dims.lhs_contract).reshape(b, m, k)
+    if rhs_k_first:
+        return x, rhs.reshape(b, k, n)
+    return x, rhs.transpose(dims.rhs_batch + dims.rhs_free + dims.rhs_contract).reshape(b, n, k)
+
+
+def _keeps_k_first(dims: _Dims, rhs_ndim: int, r: Recipe) -> bool:
+    """Whether the GEMM takes ``rhs`` as ``[B, K, N]`` where it is stored that way (batch, then
+    contracting, then free dimensions: e.g. a Flax kernel ``[in, out]``), instead of transposing
+    it to ``[B, N, K]``.
+
+    Each GEMM quantizes ``rhs`` along the axis it needs in place, so no copy reads it transposed
+    (on XLA:CPU such fused strided reads cost about 5x a contiguous pass). Weight tiles keep
+    ``[B, N, K]``: the tile layout is defined on it.
+    """
+    rows_first = dims.rhs_batch + dims.rhs_free + dims.rhs_contract
+    k_first = dims.rhs_batch + dims.rhs_contract + dims.rhs_free
+    identity = tuple(range(rhs_ndim))
+    return rows_first != identity and k_first == identity and not r.weight_tile
+
+
+def _canonical_dot(static: _Static, dims: _Dims, lhs, rhs, key):
+    """``lax.dot_general``'s result via the custom-VJP GEMM on ``[B, M, K]`` and ``[B, N, K]``
+    (or ``[B, K, N]``, see :func:`_keeps_k_first`)."""
+    batch_shape = tuple(lhs.shape[d] for d in dims.lhs_batch)
+    m_shape = tuple(lhs.shape[d] for d in dims.lhs_free)
+    n_shape = tuple(rhs.shape[d] for d in dims.rhs_free)
+    y = _mx_bmm(static, *_canonical_operands(dims, lhs, rhs, static.rhs_k_first), key)
+    return y.reshape(batch_shape + m_shape + n_shape)
+
+
+def _alignment_problems(lhs, rhs, dims: _Dims, block: int) -> dict[str, str]:
+    """Messages for the canonical axes (K, M, N) whose sharding would split a block."""
+    problems = {}
+    for name, tensor, x, group in (
+        ("K", "lhs", lhs, dims.lhs_contract),
+        ("K", "rhs", rhs, dims.rhs_contract),
+        ("M", "lhs", lhs, dims.lhs_free),
+        ("N", "rhs", rhs, dims.rhs_free),
+    ):
+        axis = ReducedAxis(0, name, *_AXES[name])
+        message = merged_axis_problem(
+            named_sharding(x), x.shape, group, _WHERE, tensor, axis, block
+        )
+        if message and name not in problems:
+            problems[name] = message
+    return problems
+
+
+def _explicit_layout(lhs, rhs, dims: _Dims):
+    """(abstract mesh, output PartitionSpec) when an operand's type carries Explicit mesh axes,
+    else (None, None). The output keeps each dim's sharding from its operand, each mesh axis
+    used once (batch dims first, then the lhs free dims, then the rhs free dims)."""
+    types = [jax.typeof(x).sharding for x in (lhs, rhs)]
+    explicit = [
+        s for s in types if isinstance(s, NamedSharding) and AxisType.Explicit in s.mesh.axis_types
+    ]
+    if not explicit:
+        return None, None
+    used: set[str] = set()
+
+    def entry(sharding, axis):
+        names = tuple(a for a in shards(sharding, axis)[0] if a not in used) if sharding else ()
+        used.update(names)
+        return names or None
+
+    lhs_sh, rhs_sh = (
+        s if isinstance(s, NamedSharding) and not s.mesh.empty else None for s in types
+    )
+    spec = [entry(lhs_sh, d) for d in dims.lhs_batch + dims.lhs_free]
+    spec += [entry(rhs_sh, d) for d in dims.rhs_free]
+    return explicit[0].mesh, P(*spec)
+
+
+class _Static(NamedTuple):
+    recipe: Recipe
+    out_dtype: jnp.dtype
+    lhs_dtype: jnp.dtype  # the gradients' dtypes
+    rhs_dtype: jnp.dtype
+    training_problems: tuple[str, ...]  # block misalignments that only a gradient runs into
+    rhs_k_first: bool = False  # w is [B, K, N] instead of [B, N, K]
+
+
+class _Dims(NamedTuple):
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+    lhs_free: tuple[int, ...]
+    rhs_free: tuple[int, ...]
+
+    @classmethod
+    def of(cls, lhs_shape, rhs_shape, dimension_numbers) -> _Dims:
+        try:
+            (lc, rc), (lb, rb) = dimension_numbers
+            lc, rc, lb, rb = (tuple(operator.index(d) for d in ds) for ds in (lc, rc, lb, rb))
+        except (TypeError, ValueError):
+            raise TypeError(
+                "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+                f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+            ) from None
+        for side, shape, ds in (("lhs", lhs_shape, lc + lb), ("rhs", rhs_shape, rc + rb)):
+            if any(not 0 <= d < len(shape) for d in ds) or len(set(ds)) != len(ds):
+                raise ValueError(
+                    f"dimension_numbers {dimension_numbers!r}: {side} dimensions {ds} must be "
+                    f"distinct and within its rank {len(shape)}"
+                )
+        for kind, ls, rs in (("contracting", lc, rc), ("batch", lb, rb)):
+            lsizes = tuple(lhs_shape[d] for d in ls)
+            rsizes = tuple(rhs_shape[d] for d in rs)
+            if lsizes != rsizes:
+                raise ValueError(
+                    f"jaxmx.dot_general: {kind} dimensions differ in size: lhs {ls} has "
+                    f"{lsizes}, rhs {rs} has {rsizes}"
+                )
+        lf = tuple(d for d in range(len(lhs_shape)) if d not in lc + lb)
+        rf = tuple(d for d in range(len(rhs_shape)) if d not in rc + rb)
+        return cls(lc, rc, lb, rb, lf, rf)
+
+
+# --- the custom-VJP core on canonical operands x [B, M, K], w [B, N, K] or [B, K, N] --------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mx_bmm(static: _Static, x, w, key):
+    y, _ = _forward(static, x, w, key, training=False)
+    return y
+
+
+def _mx_bmm_fwd(static: _Static, x, w, key):
+    return _forward(static, x, w, key, training=True)
+
+
+def _forward(static: _Static, x, w, key, training: bool):
+    r = static.recipe
+    if training:
+        keys.require_gradient_key(r.grad_rounding, key)
+    if training and static.training_problems:
+        raise BlockShardingError(static.training_problems[0])
+    along_k, along_n = _weight_axes(static)
+    w_fwd = _tiled(w, r.fwd, r) if r.weight_tile else _Operand(w, r.fwd, along_k)
+    y = _gemm(r, _Operand(x, r.fwd, -1), w_fwd, static.out_dtype)
+    if not training:
+        return y, None
+    if r.residuals == "quantized":
+        w_col = w_fwd if r.weight_tile else _quantize(w, r.fwd, along_n, r.scale_mode, False)
+        x_col = _quantize(_wgrad_input(x, r), r.fwd, -2, r.scale_mode, False)
+        saved = (
+            _named(x_col, LHS_COLWISE),
+            _named(w_col, RHS_COLWISE),
+        )
+    else:
+        saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
+    return y, (saved, key)
+
+
+def _mx_bmm_bwd(static: _Static, residuals, g):
+    r = static.recipe
+    (x_saved, w_saved), key = residuals
+    if r.residuals == "quantized":
+        x_col, w_col = x_saved, w_saved
+    else:
+        x_col = _Operand(_wgrad_input(x_saved, r), r.fwd, -2)
+        along_n = _weight_axes(static)[1]
+        w_col = _tiled(w_saved, r.fwd, r) if r.weight_tile else _Operand(w_saved, r.fwd, along_n)
+    if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
+        w_col = swap_last_axes(w_col)
+    row_key, col_key = keys.copy_keys(key)
+    g_row = _Operand(g, r.grad, -1, row_key)  # [B, M, N] along N
+    g_col = _Operand(_wgrad_input(g, r), r.grad, -2, col_key)  # along M
+    dx = _gemm(r, g_row, w_col, static.lhs_dtype)  # [B, M, K], reduces N
+    if static.rhs_k_first:
+        dw = _gemm(r, x_col, g_col, static.rhs_dtype)  # [B, K, N], reduces M
+    else:
+        dw = _gemm(r, g_col, x_col, static.rhs_dtype)  # [B, N, K], reduces M
+    return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
+
+
+def _weight_axes(static: _Static) -> tuple[int, int]:
+    """The axes of the canonical weight along K and along N."""
+    return (-2, -1) if static.rhs_k_first else (-1, -2)
+
+
+def _wgrad_input(x, r: Recipe):
+    """An operand [B, M, *] of the weight-gradient GEMM, which reduces M: with ``r.rht``, its
+    random Hadamard transform along M (the same for both operands, so the product is
+    unchanged; M is zero-padded to a multiple of 16)."""
+    if not r.rht:
+        return x
+    return rht(x, axis=-2, key=jax.random.key(r.rht_seed))
+
+
+def _vma_like(ct, primal):
+    """``ct`` varying over the same ``shard_map`` axes as ``primal`` (what autodiff does itself).
+
+    Inside ``shard_map``, the cotangent of an operand that is the same on every device (e.g.
+    replicated weights in data parallelism) is summed over the axes along which the gradient
+    varies; an operand that varies where the cotangent does not gets it broadcast (``pcast``).
+    Outside ``shard_map`` both sets are empty.
+    """
+    want, have = varying_axes(jax.tree.leaves(primal)[0]), varying_axes(ct)
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = lax.psum(ct, extra)
+    missing = tuple(sorted(want - have))
+    if missing:
+        ct = lax.pcast(ct, missing, to="varying")
+    return ct
+
+
+_mx_bmm.defvjp(_mx_bmm_fwd, _mx_bmm_bwd)
+
+
+_WHERE = "jaxmx.dot_general"
+_AXES = {  # canonical axis -> (what it is, a hint), for BlockShardingError messages
+    "K": ("the contracting dimension(s), reduced by the forward GEMM", ""),
+    "M": (
+        "the lhs free dimension(s) flattened, reduced by the weight-gradient GEMM",
+        "e.g. a larger per-device batch or sequence",
+    ),
+    "N": ("the rhs free dimension(s) flattened, reduced by the input-gradient GEMM", ""),
+}
+
+
+class _Operand(NamedTuple):
+    """A high-precision GEMM operand [B, rows, K] (``axis=-1``) or [B, K, rows] (``axis=-2``,
+    a columnwise copy kept in place: the GEMM contracts it K-first), quantized where used."""
+
+    x: jax.Array
+    fmt: str
+    axis: int
+    key: jax.Array | None = None
+
+
+def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) -> jax.Array:
+    """The GEMM of two operands, each an MXArray (a residual, a tiled weight) or an
+    :class:`_Operand`.
+
+    Where the emulation runs an MX GEMM in 1-D blocks with float32 accumulation, an ``_Operand``
+    is quantized straight to element values (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`):
+    it is quantized only to be decoded again, and skipping the codes gives the same result, bit
+    for bit, in less time. Everything else (the native GEMMs, block FP8, tiles, a modelled
+    accumulator, which only the emulation has) takes MXArrays through :func:`jaxmx.matmul`.
+    """
+    backend = "emulate" if r.accum_bits is not None else r.backend
+    runners = per_platform(backend, (a.fmt, b.fmt))
+    if _pow2_blocks_as_mx(r, (a.fmt, b.fmt), runners):
+        runners = {**runners, "cuda": "mx"}
+    grid_ready = r.accum_bits is None and all(_grid_ready(q) for q in (a, b))
+
+    def run(backend: str):
+        to_grid = backend == "emulate" and grid_ready
+
+        def operand(q):
+            if isinstance(q, MXArray):
+                return q
+            return _quantize(q.x, q.fmt, q.axis, r.scale_mode, to_grid, q.key)
+
+        if to_grid:
+            return lambda: emulated_matmul(operand(a), operand(b), out_dtype)
+        if backend == "mx":
+            return lambda: matmul(as_mx(operand(a)), as_mx(operand(b)), out_dtype, "ffi")
+        return lambda: matmul(
+            operand(a),
+            operand(b),
+            out_dtype,
+            backend,
+            accum_bits=r.accum_bits,
+            promote_every=r.promote_every,
+        )
+
+    if len(runners) == 1:
+        return run(runners["default"])()
+    return lax.platform_dependent(**{p: run(backend) for p, backend in runners.items()})
+
+
+def _pow2_blocks_as_mx(r: Recipe, formats: tuple[str, str], runners: dict[str, str]) -> bool:
+    """Whether ``"auto"`` runs this block-FP8 GEMM on the native MX GEMM when lowering for CUDA
+    (:func:`~jaxmx._src.gemm.backends.pow2_blocks_on_mx`)."""
+    return (
+        r.backend == "auto" and "cuda" not in runners and pow2_blocks_on_mx(formats, r.scale_mode)
+    )
+
+
+def _grid_ready(q: _Operand | MXArray) -> bool:
+    """Whether the element-value emulation takes ``q``: an MX operand in 1-D blocks."""
+    return get_format(q.fmt).is_mx and getattr(q, "tile", None) is None
+
+
+# The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
+# under an outer jit they inline. (Jitting _mx_bmm as a whole would hide the residual names from
+# remat policies.)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(x, fmt: str, axis: int, scale_mode: str, to_grid: bool, key=None):
+    """``x`` quantized along ``axis``: an MXArray, or with ``to_grid`` a GridArray."""
+    quantizer = quantize_to_grid if to_grid else quantize
+    return quantizer(x, fmt, axis=axis, scale_mode=scale_mode, key=key)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _tiled(w, fmt: str, r: Recipe) -> MXArray:
+    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs."""
+    return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
+
+
+def _named(q: MXArray, name: str) -> MXArray:
+    return jax.tree.map(lambda a: checkpoint_name(a, name), q)

@@ -1,0 +1,196 @@
+"""``jaxmx.ragged_dot``: the grouped GEMM of mixture-of-experts layers, in MX formats.
+
+The semantics of ``jax.lax.ragged_dot``: ``lhs [m, k]`` holds the tokens of ``g`` groups one
+after the other (``group_sizes [g]``; rows past their sum give zeros), ``rhs [g, k, n]`` one
+matrix per group, and row ``i`` of the result is ``lhs[i] @ rhs[group(i)]``. A custom VJP runs
+the three GEMMs on operands quantized along their own reduction axes:
+
+=========  ==============  ==================  ===================================
+GEMM       result          reduction           operands
+=========  ==============  ==================  ===================================
+forward    out [m, n]      K                   lhs along K, rhs along K
+dgrad      dlhs [m, k]     N                   the output gradient along N, rhs along N
+wgrad      drhs [g, k, n]  each group's tokens lhs and the output gradient along M
+=========  ==============  ==================  ===================================
+
+For the weight gradient each group's tokens are laid out from a multiple of 32 and zero-padded
+to whole blocks (a static bound of ``m + 31 g`` rows, so group sizes may be traced), so a block
+never mixes two groups whatever the group sizes. The GEMMs are emulated (exact decode, float32
+accumulation); there is no native grouped GEMM yet.
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> lhs, rhs = jnp.ones((6, 64)), jnp.stack([jnp.ones((64, 8)), 2 * jnp.ones((64, 8))])
+    >>> jaxmx.ragged_dot(lhs, rhs, jnp.array([2, 4]))[:, 0].tolist()
+    [64.0, 64.0, 128.0, 128.0, 128.0, 128.0]
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.quantize.fake import fake_quantize
+from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.training import keys
+
+
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type=None,
+    recipe: Recipe = MXFP8,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """``jax.lax.ragged_dot`` with MX-quantized forward, dgrad and wgrad GEMMs.
+
+    Args:
+        lhs: ``[m, k]`` float32, bfloat16 or float16, the groups' rows one after the other.
+        rhs: ``[g, k, n]``, one matrix per group.
+        group_sizes: ``[g]`` integers (may be traced), summing to at most ``m``.
+        preferred_element_type: the output dtype; default the promoted input dtype.
+        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"``.
+        key: for ``recipe.grad_rounding == "stochastic"``, as in :func:`jaxmx.dot_general`.
+
+    Returns:
+        ``[m, n]``: row ``i`` is ``lhs[i] @ rhs[group(i)]``, zero past the last group.
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
+    if recipe.backend == "ffi":
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' or "
+            "'auto' (which emulates it)"
+        )
+    if recipe.weight_tile is not None:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.weight_tile (2-D weight tiles) is not available for "
+            "grouped GEMMs; use a recipe without it"
+        )
+    if recipe.rht:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.rht (the random Hadamard transform of the weight-gradient "
+            "GEMM) is not available for grouped GEMMs; use recipe.replace(rht=False)"
+        )
+    if recipe.accum_bits is not None:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
+            "available for grouped GEMMs; use a recipe without it"
+        )
+    lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
+    rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
+    group_sizes = jnp.asarray(group_sizes)
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(
+            "jaxmx.ragged_dot: lhs must be [m, k] and rhs [g, k, n] with the same k, got lhs "
+            f"{lhs.shape} and rhs {rhs.shape}"
+        )
+    if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(
+            f"jaxmx.ragged_dot: group_sizes must be [g] = [{rhs.shape[0]}] integers, got "
+            f"{group_sizes.dtype}{list(group_sizes.shape)}"
+        )
+    out_dtype = check_float_dtype(
+        preferred_element_type or jnp.result_type(lhs, rhs),
+        "jaxmx.ragged_dot: preferred_element_type",
+    )
+    key = keys.gradient_key(recipe.grad_rounding, key)
+    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
+    return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key)
+
+
+class _Static(NamedTuple):
+    recipe: Recipe
+    out_dtype: jnp.dtype
+    lhs_dtype: jnp.dtype
+    rhs_dtype: jnp.dtype
+
+
+def _decoded(x, fmt: str, r: Recipe, axis: int, key=None) -> jax.Array:
+    """``x`` quantized along ``axis`` and decoded to float32, exactly (without the codes)."""
+    return fake_quantize(x, fmt, axis=axis, scale_mode=r.scale_mode, key=key)
+
+
+def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
+    """(rows of ``x`` laid out so that each group starts at a multiple of ``block``, zeros in
+    between and after, and the padded group sizes). ``x`` is ``[m, ...]``; the result has a static
+    ``roundup(m + (block - 1) g, block)`` rows."""
+    m, g = x.shape[0], group_sizes.shape[0]
+    rows = -(-(m + (block - 1) * g) // block) * block
+    padded_sizes = -(-group_sizes // block) * block
+    ends = jnp.cumsum(group_sizes)
+    starts, padded_starts = ends - group_sizes, jnp.cumsum(padded_sizes) - padded_sizes
+    i = jnp.arange(m)
+    group = jnp.searchsorted(ends, i, side="right")  # g for rows past the last group
+    inside = group < g
+    group = jnp.minimum(group, g - 1)
+    target = jnp.where(inside, padded_starts[group] + i - starts[group], rows)
+    out = jnp.zeros((rows, *x.shape[1:]), x.dtype).at[target].set(x, mode="drop")
+    return out, padded_sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ragged(static: _Static, lhs, rhs, group_sizes, key):
+    return _forward(static, lhs, rhs, group_sizes, key)[0]
+
+
+def _forward(static: _Static, lhs, rhs, group_sizes, key):
+    r = static.recipe
+    y = lax.ragged_dot(
+        _decoded(lhs, r.fwd, r, axis=1),
+        _decoded(rhs, r.fwd, r, axis=1),
+        group_sizes,
+        preferred_element_type=jnp.float32,
+    )
+    return y.astype(static.out_dtype), (lhs, rhs, group_sizes, key)
+
+
+def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
+    r = static.recipe
+    keys.require_gradient_key(r.grad_rounding, key)
+    y, _ = _forward(static, lhs, rhs, group_sizes, key)
+    block = get_format(r.fwd).block
+    lhs_by_group, _ = group_padded(lhs, group_sizes, block)
+    saved = (  # 8-bit copies for the two backward GEMMs
+        quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode),  # along each group's M
+        quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode),  # along N
+    )
+    return y, (saved, group_sizes, key)
+
+
+def _ragged_bwd(static: _Static, residuals, g):
+    r = static.recipe
+    (lhs_col, rhs_by_n), group_sizes, key = residuals
+    row_key, col_key = keys.copy_keys(key)
+    dlhs = lax.ragged_dot(  # reduces N
+        _decoded(g, r.grad, r, axis=1, key=row_key),
+        dequantize(rhs_by_n).swapaxes(1, 2),
+        group_sizes,
+        preferred_element_type=jnp.float32,
+    )
+    g_by_group, padded_sizes = group_padded(g, group_sizes, get_format(r.grad).block)
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[],
+    )
+    drhs = lax.ragged_dot_general(  # reduces each group's tokens: [g, k, n]
+        dequantize(lhs_col).T,
+        _decoded(g_by_group, r.grad, r, axis=0, key=col_key),
+        padded_sizes,
+        dims,
+        preferred_element_type=jnp.float32,
+    )
+    return dlhs.astype(static.lhs_dtype), drhs.astype(static.rhs_dtype), None, None
+
+
+_ragged.defvjp(_ragged_fwd, _ragged_bwd)

@@ -23,7 +23,7 @@ from jaxmx._src.core.formats import (
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import BACKENDS, Recipe
 from jaxmx._src.core.swizzle import swizzle_scales, unswizzle_scales
-from jaxmx._src.gemm.backends import backends
+from jaxmx._src.gemm.availability import backends
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht

@@ -19,21 +19,24 @@ Example:
     'available'
 """
 
-from jaxmx._src.gemm.backends import (
-    BLOCK_FP8_FORMATS,
-    FP4_FORMATS,
+from jaxmx._src.gemm.availability import (
     NATIVE_FORMATS,
     backends,
     block_fp8_supported,
     cublaslt_supported,
     fp4_supported,
+    fp8_supported,
+    mx_supported,
 )
 from jaxmx._src.gemm.extension import register_targets
 from jaxmx._src.gemm.native import (
+    BLOCK_FP8_FORMATS,
     BLOCK_FP8_TARGET,
+    FP4_FORMATS,
     FP4_TARGET,
     FP8_TARGET,
     MX_TARGET,
+    MXFP8_FORMATS,
     WORKSPACE_BYTES,
     block_fp8_matmul,
     fp4_matmul,
@@ -47,6 +50,7 @@ __all__ = [
     "FP4_FORMATS",
     "FP4_TARGET",
     "FP8_TARGET",
+    "MXFP8_FORMATS",
     "MX_TARGET",
     "NATIVE_FORMATS",
     "WORKSPACE_BYTES",
@@ -57,6 +61,8 @@ __all__ = [
     "fp4_matmul",
     "fp4_supported",
     "fp8_matmul",
+    "fp8_supported",
     "mx_matmul",
+    "mx_supported",
     "register_targets",
 ]

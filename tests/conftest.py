@@ -11,6 +11,7 @@ Markers (registered in pyproject.toml):
 - ``slow``: slow by nature (full-length runs); deselected by default, ``pytest -m slow`` runs them.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ import jax
 import pytest
 
 from jaxmx import _ffi
+from jaxmx._src.gemm import capabilities
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -50,3 +52,11 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", directory or None)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+@pytest.fixture
+def machine():
+    """``machine(capabilities)``: the rest of the test traces as if this machine had
+    ``capabilities`` (see tests/machines.py)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda c: stack.enter_context(capabilities.assume(c))

@@ -3,17 +3,24 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from machines import BLACKWELL, HOPPER, NO_GPU
 
 import jaxmx
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm.capabilities import REQUIREMENTS, Capabilities
+from jaxmx._src.gemm.dispatch import Gemm, kernels
 
 TN = (((1,), (1,)), ((), ()))
+MX_GPU = Capabilities(compute_capability=(10, 0), cublaslt_version=120800)
+
+
+def plan(backend, formats, caps=NO_GPU, **fields):
+    return kernels(Gemm(formats=formats, backend=backend, **fields), caps)
 
 
 @pytest.fixture
-def capable_gpu(monkeypatch):
+def capable_gpu(machine):
     """A host whose CUDA device runs cuBLASLt MX GEMMs (the report says so)."""
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
+    machine(BLACKWELL)
 
 
 def lowered(f, platforms, *args) -> str:
@@ -21,42 +28,61 @@ def lowered(f, platforms, *args) -> str:
 
 
 def test_explicit_backends_run_everywhere():
-    assert backends.per_platform("emulate", ("mxfp4",)) == {"default": "emulate"}
-    assert backends.per_platform("ffi", ("mxfp8_e4m3",)) == {"default": "ffi"}
+    assert plan("emulate", ("mxfp4", "mxfp4"), BLACKWELL) == {"default": "emulate"}
+    assert plan("ffi", ("mxfp8_e4m3", "mxfp8_e4m3")) == {"default": "native"}
 
 
-def test_auto_uses_the_native_gemm_on_cuda_only(capable_gpu):
-    assert backends.per_platform("auto", ("mxfp8_e4m3", "mxfp8_e5m2")) == {
+def test_auto_uses_the_native_gemm_on_cuda_only():
+    assert plan("auto", ("mxfp8_e4m3", "mxfp8_e5m2"), BLACKWELL) == {
         "default": "emulate",
-        "cuda": "ffi",
+        "cuda": "native",
     }
 
 
-def test_auto_never_sends_formats_without_a_native_gemm_to_it(capable_gpu):
-    assert backends.per_platform("auto", ("mxfp8_e4m3", "mxfp4")) == {"default": "emulate"}
+def test_auto_never_sends_formats_without_a_native_gemm_to_it():
+    assert plan("auto", ("mxfp8_e4m3", "mxfp4"), BLACKWELL) == {"default": "emulate"}
     # cuBLASLt has no E5M2 x E5M2 kernel
-    assert backends.per_platform("auto", ("mxfp8_e5m2", "mxfp8_e5m2")) == {"default": "emulate"}
+    assert plan("auto", ("mxfp8_e5m2", "mxfp8_e5m2"), BLACKWELL) == {"default": "emulate"}
 
 
-def test_auto_sends_block_fp8_to_cuda_where_hopper_runs_it(monkeypatch):
-    monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
+def test_auto_sends_block_fp8_to_cuda_where_hopper_runs_it():
     block = ("fp8_e4m3_block", "fp8_e5m2_block")
-    assert backends.per_platform("auto", block) == {"default": "emulate", "cuda": "ffi"}
-    assert backends.per_platform("auto", ("mxfp8_e4m3",)) == {"default": "emulate"}
+    assert plan("auto", block, HOPPER) == {"default": "dequantized", "cuda": "native"}
+    assert plan("auto", ("mxfp8_e4m3",) * 2, HOPPER) == {"default": "emulate"}
     # no native GEMM mixes families, and none takes E5M2 x E5M2
-    assert backends.per_platform("auto", ("fp8_e4m3_block", "mxfp8_e4m3")) == {"default": "emulate"}
-    assert backends.per_platform("auto", ("fp8_e5m2_block",) * 2) == {"default": "emulate"}
+    assert plan("auto", ("fp8_e4m3_block", "mxfp8_e4m3"), HOPPER) == {"default": "dequantized"}
+    assert plan("auto", ("fp8_e5m2_block",) * 2, HOPPER) == {"default": "dequantized"}
 
 
-def test_auto_emulates_where_no_device_runs_the_native_gemm(monkeypatch):
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
-    assert backends.per_platform("auto", ("mxfp8_e4m3",)) == {"default": "emulate"}
+def test_auto_emulates_where_no_device_runs_the_native_gemm():
+    assert plan("auto", ("mxfp8_e4m3",) * 2) == {"default": "emulate"}
+    assert plan("auto", ("nvfp4",) * 2, HOPPER) == {"default": "emulate"}
+
+
+def test_the_emulation_is_chosen_by_scale_kind_blocks_and_tiles():
+    mx = ("mxfp8_e4m3", "mxfp8_e4m3")
+    assert plan("emulate", mx, to_values=True) == {"default": "emulate_values"}
+    assert plan("emulate", mx, to_values=True, tiles=((32, 32), None)) == {"default": "emulate"}
+    assert plan("emulate", mx, tiles=((64, 16), None)) == {"default": "dequantized"}
+    assert plan("emulate", ("nvfp4", "nvfp4"), to_values=True) == {"default": "emulate"}
+    assert plan("emulate", ("nvfp4", "mxfp8_e4m3")) == {"default": "dequantized"}
+    limited = jaxmx.recipes.MXFP8.replace(accum_bits=14).accumulation
+    assert plan("auto", mx, BLACKWELL, accumulation=limited) == {"default": "limited"}
+    with pytest.raises(ValueError, match="emulation only"):
+        plan("ffi", mx, accumulation=limited)
+
+
+def test_pow2_block_fp8_runs_as_its_mx_twin_where_only_the_mx_gemm_runs():
+    block = ("fp8_e4m3_block", "fp8_e4m3_block")
+    twin = {"default": "dequantized", "cuda": "native_pow2_twin"}
+    assert plan("auto", block, BLACKWELL, scale_mode="pow2") == twin
+    assert plan("auto", block, BLACKWELL, scale_mode="fp32") == {"default": "dequantized"}
+    assert plan("auto", block, HOPPER, scale_mode="pow2")["cuda"] == "native"
 
 
 def test_unknown_backends_are_refused():
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
-        backends.per_platform("cuda", ())
+        plan("cuda", ("mxfp8_e4m3",) * 2)
     with pytest.raises(ValueError, match="unknown backend"):
         jaxmx.Recipe(backend="cublas")
 
@@ -106,34 +132,52 @@ def test_the_availability_report_names_every_backend():
         assert report["native-recipes"].startswith("none")
 
 
-def test_the_report_names_the_recipes_each_native_gemm_runs(monkeypatch):
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: False)
-    monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
-    assert backends.backends()["native-recipes"] == "DEEPSEEK_FP8, FP8_BLOCK_POW2 (cuBLASLt)"
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
-    monkeypatch.setattr(backends, "block_fp8_supported", lambda: False)
-    mx_gpu = "FP8_BLOCK_POW2, MXFP8, MXFP8_2D, MXFP8_HYBRID (cuBLASLt)"  # pow2 scales as MX
-    assert backends.backends()["native-recipes"] == mx_gpu
+def test_the_report_names_the_recipes_each_native_gemm_runs(machine):
+    machine(HOPPER)
+    assert jaxmx.backends()["native-recipes"] == "DEEPSEEK_FP8, FP8_BLOCK_POW2 (cuBLASLt)"
+    assert jaxmx.backends()["cublaslt-block-fp8"] == "available"
+    machine(BLACKWELL)
+    mx_gpu = (  # pow2 block scales as MX
+        "FP8_BLOCK_POW2, MXFP4, MXFP8, MXFP8_2D, MXFP8_HYBRID, NVFP4 (cuBLASLt)"
+    )
+    assert jaxmx.backends()["native-recipes"] == mx_gpu
 
 
-def test_block_fp8_needs_hopper_and_cublaslt_12_9(monkeypatch):
-    class Device:
-        compute_capability = "10.0"
+def test_block_fp8_needs_hopper_and_cublaslt_12_9():
+    def status(cc, version):
+        return Capabilities(compute_capability=cc, cublaslt_version=version).status("block_fp8")
 
-    monkeypatch.setattr(backends, "_cuda_device", lambda: (Device(), ""))
-    backends._block_fp8_status.cache_clear()
-    try:
-        assert "runs on 9.x (Hopper)" in backends._block_fp8_status()
-        Device.compute_capability = "9.0"
-        backends._block_fp8_status.cache_clear()
-        libs = {"loaded": True, "error": "", "cublaslt_version": 120805}
-        ext = type("Ext", (), {"cuda_libraries": staticmethod(lambda: libs)})
-        monkeypatch.setattr(backends.extension, "load", lambda: (ext, ""))
-        assert "cuBLASLt 12.8 is loaded; block-FP8 scaling needs >= 12.9" in (
-            backends._block_fp8_status()
-        )
-        libs["cublaslt_version"] = 120900
-        backends._block_fp8_status.cache_clear()
-        assert backends._block_fp8_status() == "available"
-    finally:
-        backends._block_fp8_status.cache_clear()
+    assert "runs on 9.x (Hopper)" in status((10, 0), 120900)
+    assert "cuBLASLt 12.8 is loaded; block-FP8 scaling" in status((9, 0), 120805)
+    assert "needs >= 12.9" in status((9, 0), 120805)
+    assert status((9, 0), 120900) == "available"
+
+
+def test_fp4_and_mx_need_blackwell_and_cublaslt_12_8():
+    for gemm, what in (("fp4", "FP4 block scaling (NVFP4 / MXFP4)"), ("mx", "MX block scaling")):
+        hopper = Capabilities(compute_capability=(9, 0), cublaslt_version=120900)
+        assert hopper.status(gemm) == f"device has compute capability 9.0; {what} needs >= 10.0"
+        old = Capabilities(compute_capability=(10, 0), cublaslt_version=120705)
+        assert old.status(gemm) == f"cuBLASLt 12.7 is loaded; {what} needs >= 12.8"
+        assert BLACKWELL.status(gemm) == "available"
+
+
+def test_per_tensor_fp8_needs_ada_or_later():
+    ampere = Capabilities(compute_capability=(8, 6), cublaslt_version=120900)
+    assert ampere.status("fp8") == "device has compute capability 8.6; per-tensor FP8 needs >= 8.9"
+    assert HOPPER.supports("fp8") and BLACKWELL.supports("fp8")
+
+
+def test_without_a_device_or_cublaslt_every_native_gemm_says_why():
+    unloaded = Capabilities(compute_capability=(10, 0), cublaslt_error="libcublasLt.so.13: missing")
+    for gemm in REQUIREMENTS:
+        assert NO_GPU.status(gemm) == "no CUDA GPU"
+    for gemm in ("mx", "fp4", "fp8"):  # the device would run them: the library is the problem
+        assert unloaded.status(gemm) == "libcublasLt.so.13: missing"
+    assert "runs on 9.x" in unloaded.status("block_fp8")  # the device comes first
+
+
+def test_assume_takes_only_capabilities():
+    with pytest.raises(TypeError, match="Capabilities"):
+        with jaxmx._src.gemm.capabilities.assume((10, 0)):
+            pass

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from machines import HOPPER
 
 import jaxmx
 from jaxmx import ffi
@@ -167,10 +168,8 @@ def test_python_side_errors():
 
 
 @pytest.mark.cublaslt  # auto picks the CUDA handler for whole tiles
-def test_auto_emulates_tiles_the_native_gemm_does_not_take(monkeypatch):
-    from jaxmx._src.gemm import backends
-
-    monkeypatch.setattr(backends, "block_fp8_supported", lambda: True)
+def test_auto_emulates_tiles_the_native_gemm_does_not_take(machine):
+    machine(HOPPER)
     a = operand(jax.random.key(8), 8, 256, E4)
 
     def lowered(b):

@@ -13,9 +13,8 @@ MODULES = sorted(info.name for info in PACKAGES if not info.name.endswith("__mai
 
 
 # the compiled extension, a version string and the private layers' docstring-only __init__ files
-WITHOUT_CODE = ("jaxmx._ffi", "jaxmx._version") + tuple(
-    info.name for info in PACKAGES if info.ispkg and info.name.startswith("jaxmx._src")
-)
+LAYERS = tuple(info.name for info in PACKAGES if info.ispkg and info.name.startswith("jaxmx._src"))
+WITHOUT_CODE = ("jaxmx._ffi", "jaxmx._version", *LAYERS)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from machines import BLACKWELL, HOPPER
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm.dispatch import Gemm, kernels, native_family
 
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
 OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -260,42 +261,15 @@ def test_cpp_side_errors():
 # --- backends -----------------------------------------------------------------------------------
 
 
-def test_fp4_pairs_are_a_native_family_of_one_format(monkeypatch):
-    assert backends.native_family(("nvfp4", "nvfp4")) == "fp4"
-    assert backends.native_family(("mxfp4", "mxfp4")) == "fp4"
-    assert backends.native_family(("mxfp4", "nvfp4")) is None
-    assert backends.native_family(("nvfp4", "mxfp8_e4m3")) is None
-    monkeypatch.setattr(backends, "fp4_supported", lambda: True)
-    assert backends.per_platform("auto", ("nvfp4", "nvfp4")) == {
-        "default": "emulate",
-        "cuda": "ffi",
-    }
-    assert backends.per_platform("auto", ("nvfp4", "mxfp4")) == {"default": "emulate"}
-    monkeypatch.setattr(backends, "fp4_supported", lambda: False)
-    assert backends.per_platform("auto", ("nvfp4", "nvfp4")) == {"default": "emulate"}
-
-
-def test_fp4_needs_blackwell_and_cublaslt_12_8(monkeypatch):
-    class Device:
-        compute_capability = "9.0"
-
-    monkeypatch.setattr(backends, "_cuda_device", lambda: (Device(), ""))
-    backends._fp4_status.cache_clear()
-    try:
-        assert backends._fp4_status() == (
-            "device has compute capability 9.0; FP4 block scaling (NVFP4 / MXFP4) needs >= 10.0"
-        )
-        Device.compute_capability = "10.0"
-        backends._fp4_status.cache_clear()
-        libs = {"loaded": True, "error": "", "cublaslt_version": 120705}
-        ext = type("Ext", (), {"cuda_libraries": staticmethod(lambda: libs)})
-        monkeypatch.setattr(backends.extension, "load", lambda: (ext, ""))
-        assert "cuBLASLt 12.7 is loaded; FP4 block scaling" in backends._fp4_status()
-        libs["cublaslt_version"] = 120800
-        backends._fp4_status.cache_clear()
-        assert backends._fp4_status() == "available"
-    finally:
-        backends._fp4_status.cache_clear()
+def test_fp4_pairs_are_a_native_family_of_one_format():
+    assert native_family(("nvfp4", "nvfp4")) == "fp4"
+    assert native_family(("mxfp4", "mxfp4")) == "fp4"
+    assert native_family(("mxfp4", "nvfp4")) is None
+    assert native_family(("nvfp4", "mxfp8_e4m3")) is None
+    nvfp4 = Gemm(formats=("nvfp4", "nvfp4"))
+    assert kernels(nvfp4, BLACKWELL) == {"default": "emulate", "cuda": "native"}
+    assert kernels(Gemm(formats=("nvfp4", "mxfp4")), BLACKWELL) == {"default": "dequantized"}
+    assert kernels(nvfp4, HOPPER) == {"default": "emulate"}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -2,9 +2,10 @@
 
 On compute capability 10.x :func:`jaxmx.ffi.mx_matmul` hands a K-first operand ([..., K, rows],
 quantized along K) to the custom call untransposed; everywhere else it transposes it to TN form.
-Here the choice is driven by monkeypatching the reported device, and the CPU handler, which takes
-both layouts, is checked bit for bit against the TN call and a numpy + ml_dtypes reference. (The
-cuBLASLt core's non-TN matmuls are checked against the test double in test_cublaslt_core.py.)
+Here the choice is driven by the machine a test assumes (tests/machines.py), and the CPU
+handler, which takes both layouts, is checked bit for bit against the TN call and a numpy +
+ml_dtypes reference. (The cuBLASLt core's non-TN matmuls are checked against the test double
+in test_cublaslt_core.py.)
 """
 
 from __future__ import annotations
@@ -16,22 +17,23 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from machines import BLACKWELL, BLACKWELL_12X
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm.capabilities import Capabilities
 
 TN = (((1,), (1,)), ((), ()))
 LAYOUTS = [(True, False), (False, True), (True, True)]  # (lhs, rhs) K-first
 
 
 @pytest.fixture
-def non_tn(monkeypatch):
+def non_tn(machine):
     """``choose(flag)``: make ``mx_matmul`` pass K-first operands untransposed (True, as on a
-    10.x device) or transpose them (False, the all-TN path)."""
+    10.x device) or transpose them (False, the all-TN path of a 12.x device)."""
 
     def choose(flag: bool):
-        monkeypatch.setattr(backends, "mx_k_first_untransposed", lambda: flag)
+        machine(BLACKWELL if flag else BLACKWELL_12X)
 
     return choose
 
@@ -138,12 +140,10 @@ def test_vmap_over_k_first_operands(non_tn, in_axes):
 @pytest.mark.parametrize(
     "cc,expected", [((10, 0), True), ((10, 3), True), ((9, 0), False), ((12, 0), False)]
 )
-def test_the_layout_is_chosen_per_compute_capability(monkeypatch, cc, expected):
-    monkeypatch.setattr(backends, "_device_capability", lambda: (cc, ""))
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: cc >= (10, 0))
-    assert backends.non_tn_mx(cc) is expected
-    assert backends.mx_k_first_untransposed() is expected
-    assert backends.non_tn_mx((11, 0)) is False and backends.non_tn_mx(None) is False
+def test_the_layout_is_chosen_per_compute_capability(machine, cc, expected):
+    machine(Capabilities(compute_capability=cc, cublaslt_version=120800))
+    assert Capabilities(compute_capability=cc, cublaslt_version=120800).non_tn_mx is expected
+    assert Capabilities(compute_capability=(11, 0), cublaslt_version=120800).non_tn_mx is False
 
     x = operand(jnp.ones((16, 64)), True)
     w = operand(jnp.ones((32, 64)), False)
@@ -151,9 +151,10 @@ def test_the_layout_is_chosen_per_compute_capability(monkeypatch, cc, expected):
     assert ("lhs_k_first = true" in text) is expected
 
 
-def test_no_device_keeps_the_all_tn_path(monkeypatch):
-    monkeypatch.setattr(backends, "_device_capability", lambda: (None, "no CUDA GPU"))
-    assert backends.mx_k_first_untransposed() is False
+def test_no_device_keeps_the_all_tn_path():
+    assert Capabilities().non_tn_mx is False
+    old_library = Capabilities(compute_capability=(10, 0), cublaslt_version=120700)
+    assert old_library.non_tn_mx is False  # no MX GEMM there at all
 
 
 def test_block_fp8_and_fp4_stay_tn(non_tn):

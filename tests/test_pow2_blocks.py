@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from machines import BLACKWELL
 from test_block_fp8 import adversarial
 
 import jaxmx
-from jaxmx._src.gemm import backends
 from jaxmx._src.quantize.pow2_blocks import as_mx
 from jaxmx.recipes import DEEPSEEK_FP8, FP8_BLOCK_POW2
 
@@ -52,11 +52,10 @@ def test_only_block_fp8_arrays_are_taken():
 
 
 @pytest.mark.cublaslt
-def test_auto_runs_pow2_block_recipes_on_the_mx_gemm_of_a_blackwell(monkeypatch):
+def test_auto_runs_pow2_block_recipes_on_the_mx_gemm_of_a_blackwell(machine):
     """On a CUDA device with the MX GEMM and without cuBLASLt's block-FP8 one, FP8_BLOCK_POW2's
     three GEMMs lower to the MX custom call; DEEPSEEK_FP8 (float32 scales) is emulated."""
-    monkeypatch.setattr(backends, "cublaslt_supported", lambda: True)
-    monkeypatch.setattr(backends, "block_fp8_supported", lambda: False)
+    machine(BLACKWELL)
     x, w = jnp.ones((8, 256)), jnp.ones((128, 256))
 
     def step(recipe):

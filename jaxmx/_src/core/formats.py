@@ -22,7 +22,34 @@ E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaleKind:
+    """How a format's scales are stored and what they are: the facts every layer reads instead
+    of testing format names. The arithmetic of each kind (its scale rules, its decode) is one
+    object in :mod:`jaxmx._src.quantize.scales`.
+
+    Example:
+        >>> from jaxmx._src.core.formats import get_format
+        >>> kind = get_format("nvfp4").scale_kind
+        >>> kind.name, kind.tensor_scale, kind.pow2
+        ('e4m3', True, False)
+    """
+
+    # the kind's name, the key of its rules in jaxmx._src.quantize.scales
+    name: str
+    # dtype of the block scales
+    dtype: np.dtype
+    # the scale rules this kind takes, the default first
+    modes: tuple[str, ...]
+    # a float32 scale per tensor sits above the block scales (NVFP4)
+    tensor_scale: bool = False
+    # every block scale is a power of two (E8M0): values are codes times 2^e, exactly
+    pow2: bool = False
+    # every value ``code * block scale`` is exact in float32 (not so for float32 scales)
+    exact_products: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Format:
     """A block-scaled element format.
 
@@ -35,8 +62,13 @@ class Format:
         emin: exponent of the smallest normal element (subnormals share its quantum).
         block: elements per scale along the block axis (32 for every OCP MX format, 128 for
             block FP8, 16 for NVFP4).
-        scale_dtype: ``float8_e8m0fnu`` (MX: powers of two), ``float32`` (block FP8) or
-            ``float8_e4m3fn`` (NVFP4, which adds a float32 scale per tensor).
+        scale_kind: how the scales are stored (:class:`ScaleKind`): E8M0 powers of two (the
+            MX formats), float32 (block FP8), or E4M3 under a float32 tensor scale (NVFP4).
+        gemm: the native GEMM family that takes the format (``"mx"``, ``"block_fp8"``,
+            ``"fp4"``), or ``None``.
+        pow2_twin: for a format whose power-of-two scaled arrays are also arrays of another
+            format with the same codes (block FP8 with ``"pow2"`` scales as MXFP8 in 32-blocks),
+            that format's name; else ``None``.
     """
 
     name: str
@@ -45,25 +77,31 @@ class Format:
     emax: int
     mbits: int
     emin: int
-    block: int = 32
-    scale_dtype: np.dtype = E8M0
+    block: int
+    scale_kind: ScaleKind
+    gemm: str | None = None
+    pow2_twin: str | None = None
+
+    @property
+    def scale_dtype(self) -> np.dtype:
+        """The dtype of the block scales (the scale kind's)."""
+        return self.scale_kind.dtype
 
     @property
     def is_mx(self) -> bool:
-        """Whether scales are E8M0 (an OCP MX format), not float32 (block FP8)."""
-        return self.scale_dtype == E8M0
+        """Whether scales are E8M0 powers of two (the OCP MX formats: MXFP8, MXFP4), not float32
+        (block FP8) or E4M3 under a tensor scale (NVFP4)."""
+        return self.scale_kind.pow2
 
     @property
     def scale_modes(self) -> tuple[str, ...]:
         """The scale rules this format takes (the first is the default)."""
-        if self.has_global_scale:
-            return NVFP4_SCALE_MODES
-        return SCALE_MODES if self.is_mx else BLOCK_SCALE_MODES
+        return self.scale_kind.modes
 
     @property
     def has_global_scale(self) -> bool:
         """Whether a float32 per-tensor scale sits above the block scales (NVFP4)."""
-        return self.scale_dtype == E4M3
+        return self.scale_kind.tensor_scale
 
     @property
     def elem_max_mantissa(self) -> int:
@@ -73,7 +111,7 @@ class Format:
     @property
     def is_fp8(self) -> bool:
         """Whether elements are 8-bit floats (encoded and decoded by integer code)."""
-        return jnp.dtype(self.dtype).itemsize == 1 and jnp.dtype(self.dtype).name != "float4_e2m1fn"
+        return self.bits == 8
 
     @property
     def has_inf(self) -> bool:
@@ -83,47 +121,8 @@ class Format:
     @property
     def bits(self) -> int:
         """Storage bits per element."""
-        return 4 if jnp.dtype(self.dtype).name == "float4_e2m1fn" else 8
+        return jnp.finfo(self.dtype).bits
 
-
-FORMATS: dict[str, Format] = {
-    f.name: f
-    for f in (
-        Format("mxfp8_e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, emax=8, mbits=3, emin=-6),
-        Format("mxfp8_e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, emax=15, mbits=2, emin=-14),
-        Format("mxfp4", jnp.dtype(jnp.float4_e2m1fn), 6.0, emax=2, mbits=1, emin=0),
-        Format(
-            "fp8_e4m3_block",
-            jnp.dtype(jnp.float8_e4m3fn),
-            448.0,
-            emax=8,
-            mbits=3,
-            emin=-6,
-            block=128,
-            scale_dtype=jnp.dtype(jnp.float32),
-        ),
-        Format(
-            "fp8_e5m2_block",
-            jnp.dtype(jnp.float8_e5m2),
-            57344.0,
-            emax=15,
-            mbits=2,
-            emin=-14,
-            block=128,
-            scale_dtype=jnp.dtype(jnp.float32),
-        ),
-        Format(
-            "nvfp4",
-            jnp.dtype(jnp.float4_e2m1fn),
-            6.0,
-            emax=2,
-            mbits=1,
-            emin=0,
-            block=16,
-            scale_dtype=E4M3,
-        ),
-    )
-}
 
 SCALE_MODES = ("rceil", "floor", "ceil", "even")
 """How a block's E8M0 exponent is derived from its absolute maximum.
@@ -150,6 +149,66 @@ Both: an all-zero block has ``s = 1``, a block holding NaN or inf has ``s = NaN`
 NVFP4_SCALE_MODES = ("e4m3",)
 """NVFP4's one scale rule (:mod:`jaxmx._src.quantize.nvfp4`): the per-tensor scale
 ``g = amax / (448 * 6)`` and the block scale ``E4M3((block_amax / 6) / g)``."""
+
+E8M0_SCALES = ScaleKind(name="e8m0", dtype=E8M0, modes=SCALE_MODES, pow2=True)
+FLOAT32_SCALES = ScaleKind(
+    name="float32", dtype=jnp.dtype(jnp.float32), modes=BLOCK_SCALE_MODES, exact_products=False
+)
+E4M3_SCALES_TENSOR_SCALED = ScaleKind(
+    name="e4m3", dtype=E4M3, modes=NVFP4_SCALE_MODES, tensor_scale=True
+)
+SCALE_KINDS = (E8M0_SCALES, FLOAT32_SCALES, E4M3_SCALES_TENSOR_SCALED)
+"""Every scale kind, one object each."""
+
+_E4M3_ELEMENTS = dict(dtype=jnp.dtype(jnp.float8_e4m3fn), elem_max=448.0, emax=8, mbits=3, emin=-6)
+_E5M2_ELEMENTS = dict(
+    dtype=jnp.dtype(jnp.float8_e5m2), elem_max=57344.0, emax=15, mbits=2, emin=-14
+)
+_E2M1_ELEMENTS = dict(dtype=jnp.dtype(jnp.float4_e2m1fn), elem_max=6.0, emax=2, mbits=1, emin=0)
+
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(name="mxfp8_e4m3", **_E4M3_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="mx"),
+        Format(name="mxfp8_e5m2", **_E5M2_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="mx"),
+        Format(name="mxfp4", **_E2M1_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="fp4"),
+        Format(
+            name="fp8_e4m3_block",
+            **_E4M3_ELEMENTS,
+            block=128,
+            scale_kind=FLOAT32_SCALES,
+            gemm="block_fp8",
+            pow2_twin="mxfp8_e4m3",
+        ),
+        Format(
+            name="fp8_e5m2_block",
+            **_E5M2_ELEMENTS,
+            block=128,
+            scale_kind=FLOAT32_SCALES,
+            gemm="block_fp8",
+            pow2_twin="mxfp8_e5m2",
+        ),
+        Format(
+            name="nvfp4",
+            **_E2M1_ELEMENTS,
+            block=16,
+            scale_kind=E4M3_SCALES_TENSOR_SCALED,
+            gemm="fp4",
+        ),
+    )
+}
+"""Every format jaxmx knows, by name. Adding one: an entry here, of an existing
+:class:`ScaleKind` or of a new one (with its rules in :mod:`jaxmx._src.quantize.scales`)."""
+
+
+def formats_of(*, gemm: str) -> tuple[str, ...]:
+    """The names of the formats of a native GEMM family, in table order.
+
+    Example:
+        >>> formats_of(gemm="block_fp8")
+        ('fp8_e4m3_block', 'fp8_e5m2_block')
+    """
+    return tuple(name for name, f in FORMATS.items() if f.gemm == gemm)
 
 
 def get_format(fmt: str | Format) -> Format:

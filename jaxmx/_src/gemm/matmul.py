@@ -1,10 +1,10 @@
 """The MX GEMM: ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on MX operands.
 
-It checks its operands and hands them to a backend (:mod:`jaxmx._src.gemm.backends`): the emulation,
-or the native custom call. The block-FP8 and FP4 GEMMs take TN operands (a K-first operand's
-1-byte codes and scales are transposed for them); the MX GEMM takes K-first operands
-untransposed where the default CUDA device has compute capability 10.x
-(:func:`jaxmx.ffi.mx_matmul`). With ``backend="auto"`` the choice is made per lowering platform.
+It checks its operands and runs the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`)
+chooses per lowering platform: an emulation, or the native custom call. The block-FP8 and FP4
+GEMMs take TN operands (a K-first operand's 1-byte codes and scales are transposed for them);
+the MX GEMM takes K-first operands untransposed where the CUDA device has compute capability
+10.x (:func:`jaxmx.ffi.mx_matmul`).
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -23,11 +23,13 @@ from jax import lax
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, untiled
+from jaxmx._src.core.recipes import Accumulation
 from jaxmx._src.gemm import native
-from jaxmx._src.gemm.accumulation import Accumulation, limited_matmul
-from jaxmx._src.gemm.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, per_platform
+from jaxmx._src.gemm.accumulation import limited_matmul
 from jaxmx._src.gemm.dequantized_matmul import dequantized_matmul
+from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.emulate import emulated_matmul
+from jaxmx._src.quantize.pow2_blocks import as_mx
 
 
 def matmul(
@@ -64,64 +66,62 @@ def matmul(
     for name, q in (("a", a), ("b", b)):
         axis = ReducedAxis(q.data_axis, "K", "the contracting dimension")
         check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
-    if accum_bits is not None or promote_every is not None:
-        return _limited(a, b, out_dtype, backend, accum_bits, promote_every)
-    if backend == "auto" and not (_native_tiles(a) and _native_tiles(b)):
-        backend = "emulate"
-    runners = {
-        platform: _RUNNERS[name] for platform, name in per_platform(backend, (a.fmt, b.fmt)).items()
+    accumulation = _accumulation(a, b, accum_bits, promote_every)
+    chosen = kernels(
+        Gemm(
+            formats=(a.fmt, b.fmt),
+            tiles=(a.tile, b.tile),
+            backend=backend,
+            accumulation=accumulation,
+        )
+    )
+    return run(chosen, a, b, out_dtype, accumulation)
+
+
+def run(chosen: dict[str, str], a, b, out_dtype, accumulation: Accumulation | None = None):
+    """The kernels of :func:`~jaxmx._src.gemm.dispatch.kernels` on checked operands (MXArrays,
+    or GridArrays for ``"emulate_values"``), each on its lowering platform."""
+    branches = {
+        platform: (lambda a, b, run=KERNELS[name]: run(a, b, out_dtype, accumulation))
+        for platform, name in chosen.items()
     }
-    if len(runners) == 1:
-        return runners["default"](a, b, out_dtype)
-    branches = {p: (lambda a, b, run=run: run(a, b, out_dtype)) for p, run in runners.items()}
+    if len(branches) == 1:
+        return branches["default"](a, b)
     return lax.platform_dependent(a, b, **branches)
 
 
-def _limited(a, b, out_dtype, backend, accum_bits, promote_every) -> jax.Array:
+def _accumulation(a: MXArray, b: MXArray, accum_bits, promote_every) -> Accumulation | None:
+    if accum_bits is None and promote_every is None:
+        return None
     if accum_bits is None:
         raise ValueError("matmul: promote_every needs accum_bits (a limited accumulator)")
-    if not (a.format.is_mx and b.format.is_mx):
+    if not (a.format.scale_kind.pow2 and b.format.scale_kind.pow2):
         raise ValueError(f"matmul: accum_bits models MX GEMMs only, got {a.fmt} x {b.fmt} operands")
-    a, b = untiled(a), untiled(b)
-    if backend not in ("auto", "emulate"):
-        raise ValueError(
-            f"matmul: accum_bits models the accumulator in the emulation only; backend {backend!r} "
-            "cannot take it (use 'auto' or 'emulate')"
-        )
-    return limited_matmul(a, b, out_dtype, Accumulation(accum_bits, promote_every).check())
-
-
-def _emulate(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
-    """The exact emulation (MX formats, NVFP4), or the float32 one for float32-scaled (block
-    FP8), narrow-tiled and differently blocked (NVFP4 with MX) operands."""
-    same_blocks = a.format.block == b.format.block
-    if same_blocks and all(q.fmt not in BLOCK_FP8_FORMATS and _untileable(q) for q in (a, b)):
-        return emulated_matmul(untiled(a), untiled(b), out_dtype)
-    return dequantized_matmul(a, b, out_dtype)
-
-
-def _untileable(q: MXArray) -> bool:
-    return q.tile is None or q.tile[1] == q.format.block
+    return Accumulation(accum_bits, promote_every).check()
 
 
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
-    if a.fmt in BLOCK_FP8_FORMATS or b.fmt in BLOCK_FP8_FORMATS:
+    """The native GEMM of the operands' family (the first family among them, in this order, so
+    that a mixed pair gets that GEMM's error naming the operand at fault)."""
+    families = {a.format.gemm, b.format.gemm}
+    family = next((f for f in ("block_fp8", "fp4") if f in families), "mx")
+    if family == "block_fp8":
         return native.block_fp8_matmul(native.tn_form(a), native.tn_form(b), out_dtype)
-    if a.fmt in FP4_FORMATS or b.fmt in FP4_FORMATS:
+    if family == "fp4":
         return native.fp4_matmul(native.tn_form(untiled(a)), native.tn_form(untiled(b)), out_dtype)
     return native.mx_matmul(untiled(a), untiled(b), out_dtype)
 
 
-def _native_tiles(q: MXArray) -> bool:
-    """Whether the native GEMM takes ``q``'s tiles: 128x128 for block FP8, block-wide for MX."""
-    if q.tile is None:
-        return True
-    if q.fmt in BLOCK_FP8_FORMATS:
-        return q.tile == (native.BLOCK_TILE, native.BLOCK_TILE)
-    return _untileable(q)
-
-
-_RUNNERS = {"emulate": _emulate, "ffi": _native}
+KERNELS = {
+    "emulate": lambda a, b, out_dtype, _: emulated_matmul(untiled(a), untiled(b), out_dtype),
+    "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
+    "dequantized": lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
+    "limited": lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
+    "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),
+    "native_pow2_twin": lambda a, b, out_dtype, _: _native(as_mx(a), as_mx(b), out_dtype),
+}
+"""Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
+accumulation) -> out``."""
 
 
 def _check_operands(a: MXArray, b: MXArray) -> None:

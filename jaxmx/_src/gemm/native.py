@@ -47,19 +47,31 @@ from jax.interpreters import mlir
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
-from jaxmx._src.core.formats import FORMATS
+from jaxmx._src.core.formats import formats_of, get_format
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.core.vma import vary_like
-from jaxmx._src.gemm import backends, extension
-from jaxmx._src.gemm.backends import BLOCK_FP8_FORMATS, FP4_FORMATS, NATIVE_FORMATS, native_pair
+from jaxmx._src.gemm import capabilities, extension
 from jaxmx._src.gemm.batching import vmappable
+from jaxmx._src.gemm.dispatch import NATIVE_BLOCK_FP8_TILE, native_pair
 from jaxmx._src.gemm.partitioning import partitioned_gemm
 
 MX_TARGET = "jaxmx_mx_matmul"
 FP8_TARGET = "jaxmx_fp8_matmul"
 BLOCK_FP8_TARGET = "jaxmx_block_fp8_matmul"
 FP4_TARGET = "jaxmx_fp4_matmul"
+
+MXFP8_FORMATS = formats_of(gemm="mx")
+"""The formats the native MX GEMM takes (MXFP8), in any pair but E5M2 x E5M2 (cuBLASLt's FP8
+type table has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3)."""
+
+BLOCK_FP8_FORMATS = formats_of(gemm="block_fp8")
+"""The formats the native block-FP8 GEMM takes (1x128 blocks or 128x128 tiles, float32 scales),
+in any pair but E5M2 x E5M2."""
+
+FP4_FORMATS = formats_of(gemm="fp4")
+"""The formats the native FP4 GEMM takes: both operands MXFP4 or both NVFP4 (E2M1 codes; E8M0
+scales per 32 or E4M3 scales per 16 and a float32 tensor scale)."""
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
 """cuBLASLt workspace, allocated by XLA as a second output of the custom call (GPU only), plus
@@ -85,7 +97,7 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     Returns:
         [..., M, N] in ``out_dtype``, accumulated in float32. The compact scales are swizzled to
         the cuBLAS 128x4 layout right before the call. Where the default CUDA device has compute
-        capability 10.x (:func:`jaxmx._src.gemm.backends.mx_k_first_untransposed`) a K-first
+        capability 10.x (:attr:`~jaxmx._src.gemm.capabilities.Capabilities.non_tn_mx`) a K-first
         operand's codes go to cuBLASLt untransposed (only its small scale tensor is re-laid);
         everywhere else (12.x, no GPU) its codes and scales are transposed to TN form first. The
         CPU handler takes both layouts and gives the same bits. Works under ``jit``, ``vmap``
@@ -108,7 +120,7 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     check_gemm_pair(a, b, "mx_matmul")
     out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
     extension.register_targets()
-    if not backends.mx_k_first_untransposed():
+    if not capabilities.current().non_tn_mx:
         a, b = tn_form(a), tn_form(b)  # the all-TN path (sm_12x, CPU-only hosts)
     k_first = (_k_first(a), _k_first(b))
     return _mx_call(out_dtype, k_first)(_zero_padding(a), _zero_padding(b), a.scale, b.scale)
@@ -138,7 +150,7 @@ def _check_mx_operand(q, name: str) -> MXArray:
     """``q`` checked as an MX operand: TN ([..., rows, K] blocked along its last axis) or K-first
     ([..., K, rows] blocked along axis -2)."""
     q = checked(q, f"mx_matmul: {name}")
-    _check_format(q, name, "mx_matmul", NATIVE_FORMATS)
+    _check_format(q, name, "mx_matmul", MXFP8_FORMATS)
     if q.ndim < 2 or q.axis < q.ndim - 2:
         raise ValueError(
             f"mx_matmul: {name} must be [..., rows, K] quantized along its last axis (TN form) "
@@ -188,7 +200,7 @@ def _mx_call(out_dtype, k_first: tuple[bool, bool]):
     # vmap outside, SPMD partitioning inside: each device swizzles the scales of its own blocks.
     # Jitted, so that eager calls hit a compiled-call cache instead of re-tracing. A K-first lhs
     # cannot fold a vmapped batch into its rows (its last axis): the batch stays a batch.
-    block = FORMATS[NATIVE_FORMATS[0]].block
+    block = get_format(MXFP8_FORMATS[0]).block
     per_shard = functools.partial(_mx_per_shard, k_first=k_first)
     gemm = partitioned_gemm(per_shard, out_dtype, "jaxmx.ffi.mx_matmul", block, k_first)
     return jax.jit(vmappable(gemm, fold=None if k_first[0] else (True, False, True, False)))
@@ -254,7 +266,7 @@ def _pad_rows(data, scale, multiple: int):
 
 # --- block-FP8 GEMM ----------------------------------------------------------------------------
 
-BLOCK_TILE = 128
+BLOCK_TILE = NATIVE_BLOCK_FP8_TILE
 """Block FP8: scales per 1x128 block along K, or per 128x128 tile."""
 
 

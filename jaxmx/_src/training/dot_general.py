@@ -54,12 +54,10 @@ from jaxmx._src.core.mxarray import MXArray, swap_last_axes
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.diagnostics import telemetry
-from jaxmx._src.gemm.backends import per_platform, pow2_blocks_on_mx
-from jaxmx._src.gemm.emulate import emulated_matmul
-from jaxmx._src.gemm.matmul import matmul
+from jaxmx._src.gemm.dispatch import Gemm, kernels
+from jaxmx._src.gemm.matmul import KERNELS
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
-from jaxmx._src.quantize.pow2_blocks import as_mx
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import keys
 
@@ -381,57 +379,37 @@ class _Operand(NamedTuple):
 
 def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) -> jax.Array:
     """The GEMM of two operands, each an MXArray (a residual, a tiled weight) or an
-    :class:`_Operand`.
+    :class:`_Operand`, on the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses.
 
-    Where the emulation runs an MX GEMM in 1-D blocks with float32 accumulation, an ``_Operand``
-    is quantized straight to element values (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`):
-    it is quantized only to be decoded again, and skipping the codes gives the same result, bit
-    for bit, in less time. Everything else (the native GEMMs, block FP8, tiles, a modelled
-    accumulator, which only the emulation has) takes MXArrays through :func:`jaxmx.matmul`.
+    Where the emulation runs an MX GEMM in 1-D blocks with float32 accumulation
+    (``"emulate_values"``), an ``_Operand`` is quantized straight to element values
+    (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`): it is quantized only to be decoded
+    again, and skipping the codes gives the same result, bit for bit, in less time. Every other
+    kernel takes MXArrays.
     """
-    backend = "emulate" if r.accum_bits is not None else r.backend
-    runners = per_platform(backend, (a.fmt, b.fmt))
-    if _pow2_blocks_as_mx(r, (a.fmt, b.fmt), runners):
-        runners = {**runners, "cuda": "mx"}
-    grid_ready = r.accum_bits is None and all(_grid_ready(q) for q in (a, b))
+    chosen = kernels(
+        Gemm(
+            formats=(a.fmt, b.fmt),
+            tiles=(getattr(a, "tile", None), getattr(b, "tile", None)),
+            backend=r.backend,
+            accumulation=r.accumulation,
+            scale_mode=r.scale_mode,
+            to_values=True,
+        )
+    )
 
-    def run(backend: str):
-        to_grid = backend == "emulate" and grid_ready
-
+    def branch(kernel: str):
         def operand(q):
             if isinstance(q, MXArray):
                 return q
-            return _quantize(q.x, q.fmt, q.axis, r.scale_mode, to_grid, q.key)
+            return _quantize(q.x, q.fmt, q.axis, r.scale_mode, kernel == "emulate_values", q.key)
 
-        if to_grid:
-            return lambda: emulated_matmul(operand(a), operand(b), out_dtype)
-        if backend == "mx":
-            return lambda: matmul(as_mx(operand(a)), as_mx(operand(b)), out_dtype, "ffi")
-        return lambda: matmul(
-            operand(a),
-            operand(b),
-            out_dtype,
-            backend,
-            accum_bits=r.accum_bits,
-            promote_every=r.promote_every,
-        )
+        run = KERNELS[kernel]
+        return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
-    if len(runners) == 1:
-        return run(runners["default"])()
-    return lax.platform_dependent(**{p: run(backend) for p, backend in runners.items()})
-
-
-def _pow2_blocks_as_mx(r: Recipe, formats: tuple[str, str], runners: dict[str, str]) -> bool:
-    """Whether ``"auto"`` runs this block-FP8 GEMM on the native MX GEMM when lowering for CUDA
-    (:func:`~jaxmx._src.gemm.backends.pow2_blocks_on_mx`)."""
-    return (
-        r.backend == "auto" and "cuda" not in runners and pow2_blocks_on_mx(formats, r.scale_mode)
-    )
-
-
-def _grid_ready(q: _Operand | MXArray) -> bool:
-    """Whether the element-value emulation takes ``q``: an MX operand in 1-D blocks."""
-    return get_format(q.fmt).is_mx and getattr(q, "tile", None) is None
+    if len(chosen) == 1:
+        return branch(chosen["default"])()
+    return lax.platform_dependent(**{p: branch(kernel) for p, kernel in chosen.items()})
 
 
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;

@@ -17,6 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import Format, get_format
 
 
@@ -80,27 +81,6 @@ class MXArray:
     def __repr__(self) -> str:
         tile = f", tile={self.tile}" if self.tile else ""
         return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}{tile})"
-
-
-def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
-    """Elements per scale along each axis: ``block`` along ``axis``, or ``tile`` over the last
-    two axes, 1 elsewhere."""
-    if tile is not None:
-        return (1,) * (len(shape) - 2) + tuple(tile)
-    return tuple(block if i == axis else 1 for i in range(len(shape)))
-
-
-def padded_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
-    """``shape`` rounded up to whole blocks (or tiles): the shape of the codes."""
-    return tuple(
-        -(-n // b) * b for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
-    )
-
-
-def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
-    """The shape of the scales of a tensor of logical ``shape`` blocked along ``axis`` (or
-    tiled)."""
-    return tuple(-(-n // b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True))
 
 
 def swap_last_axes(q: MXArray) -> MXArray:

@@ -19,19 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.blocks import blocked
+from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize import nvfp4
-from jaxmx._src.quantize.quantize import (
-    blocked,
-    decode_elements,
-    dequantize,
-    normalize_axis,
-    quantize,
-    scale_exponent_bytes,
-    scaled_blocks,
-)
+from jaxmx._src.quantize.codec import decode_elements, scale_exponent_bytes
+from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.quantize.scales import scaled_blocks
 
 
 @jax.tree_util.register_dataclass

@@ -42,8 +42,8 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.quantize import nvfp4
+from jaxmx._src.quantize.codec import scale_exponent_bytes
 from jaxmx._src.quantize.fake import GridArray, element_values
-from jaxmx._src.quantize.quantize import scale_exponent_bytes
 
 
 @functools.partial(jax.jit, static_argnums=2)

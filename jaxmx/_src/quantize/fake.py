@@ -30,19 +30,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, get_format
-from jaxmx._src.core.mxarray import MXArray, padded_shape, scale_shape
-from jaxmx._src.quantize.quantize import (
-    blocked,
-    checked_arguments,
-    decode_elements,
-    dequantize,
-    quantize,
-    scale_back,
-    scaled_blocks,
-    uniform_noise,
-)
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize.codec import decode_elements, scale_back
+from jaxmx._src.quantize.quantize import checked_arguments, dequantize, quantize
+from jaxmx._src.quantize.rounding import uniform_noise
+from jaxmx._src.quantize.scales import scaled_blocks
 
 
 def fake_quantize(

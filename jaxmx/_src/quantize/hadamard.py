@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.blocks import blocked, padded_shape
+from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
-from jaxmx._src.quantize.quantize import normalize_axis
 
 
 def rht(
@@ -67,40 +68,26 @@ def rht(
     axis = normalize_axis(axis, x.ndim)
     if isinstance(size, bool) or not isinstance(size, int) or size < 2 or size & (size - 1):
         raise ValueError(f"rht: size must be a power of two >= 2, got {size!r}")
-    return _rht(x, _checked_key(key), axis=axis, size=size, inverse=inverse)
+    return _rht(x, check_key(key, "rht"), axis=axis, size=size, inverse=inverse)
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "size", "inverse"))
 def _rht(x: jax.Array, key: jax.Array, *, axis: int, size: int, inverse: bool) -> jax.Array:
     """:func:`rht` of checked arguments: one compiled program per shape and setting."""
     signs = random_signs(key, size)
-    n = -(-x.shape[axis] // size) * size
-    if n != x.shape[axis]:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, n - x.shape[axis])
-        x = jnp.pad(x, pad)
-    outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1 :])
-    blocks = x.reshape(outer, n // size, size, inner)
+    blocks = blocked(x, axis, size)  # [outer, n_blocks, size, inner], zero-padded
     signs = signs[:, None]
     if not inverse:
         blocks = blocks * signs
     blocks = _hadamard(blocks) * (1.0 / math.sqrt(size))
     if inverse:
         blocks = blocks * signs
-    return blocks.reshape(x.shape)
+    return blocks.reshape(padded_shape(x.shape, axis, size))
 
 
 def random_signs(key: jax.Array, size: int) -> jax.Array:
     """The transform's sign vector: ``size`` float32 values of ±1 drawn from ``key``."""
     return jax.random.rademacher(key, (size,), jnp.float32)
-
-
-def _checked_key(key) -> jax.Array:
-    dtype = getattr(key, "dtype", None)
-    is_key = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    if not is_key and not (dtype == jnp.uint32 and getattr(key, "shape", None) == (2,)):
-        raise TypeError(f"rht: key must be a PRNG key (jax.random.key), got {key!r}")
-    return key
 
 
 def _hadamard(blocks: jax.Array) -> jax.Array:

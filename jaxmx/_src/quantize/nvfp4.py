@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import Format
@@ -60,21 +59,9 @@ def checked_global_scale(g, f: Format) -> jax.Array | None:
     return jnp.maximum(g.astype(jnp.float32), jnp.float32(MIN_GLOBAL_SCALE))
 
 
-def quantize_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
-    """``(codes, E4M3 scales [outer, n_blocks, 1, inner], g)`` of float32 blocks ``xb``
-    (``[outer, n_blocks, block, inner]``, zero-padded); ``g=None`` computes the tensor scale.
-
-    ``round_values(v)`` may round the scaled elements before clipping (stochastic rounding);
-    the identity leaves them to the encoder's round to nearest even.
-    """
-    scale_codes, values, g = scaled_blocks(xb, f, g, round_values)
-    scale = lax.bitcast_convert_type(scale_codes, jnp.float8_e4m3fn)
-    return values.astype(f.dtype), scale, g
-
-
 def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
     """``(E4M3 scale bytes [outer, n_blocks, 1, inner] uint8, elements, g)``: the elements of
-    :func:`quantize_blocks` before their cast to E2M1 (in units of their block scale, clipped
+    the quantizer before their cast to E2M1 (in units of their block scale, clipped
     to ``±6``, zero in a block whose scale is NaN; not yet rounded unless ``round_values``
     rounds them)."""
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF

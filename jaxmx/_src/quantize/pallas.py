@@ -3,8 +3,8 @@
 ``quantize(..., impl="pallas")`` and ``quantize_rowwise_colwise(..., impl="pallas")`` run these
 kernels for every format (MX, block FP8, NVFP4), 1-D blocks along any axis and 2-D tiles whose
 sides divide 128; they give the same bytes as the XLA quantizers (``impl="xla"``): the per-tile
-arithmetic is the XLA quantizer's own (:func:`jaxmx._src.quantize.quantize.scaled_blocks`,
-:func:`~jaxmx._src.quantize.quantize.float32_scaled_blocks`,
+arithmetic is the XLA quantizer's own (:func:`jaxmx._src.quantize.scales.scaled_blocks`,
+:func:`~jaxmx._src.quantize.scales.float32_scaled_blocks`,
 :func:`jaxmx._src.quantize.nvfp4.scaled_blocks`,
 then the element encoding), applied to a VMEM/SRAM tile instead of the whole array. NVFP4's
 tensor scale ``g`` is a reduction over all of ``x``: it is computed before the kernel (as the
@@ -45,21 +45,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.swizzle import COL_TILE, ROW_TILE
 from jaxmx._src.core.vma import vary_like
 from jaxmx._src.quantize import nvfp4
-from jaxmx._src.quantize.quantize import (
-    float32_scaled_blocks,
-    rounding,
-    scaled_blocks,
-    tiles,
-    uniform_noise,
-    untile,
-)
+from jaxmx._src.quantize.impl import PALLAS_TILE as TILE
+from jaxmx._src.quantize.rounding import uniform_noise
+from jaxmx._src.quantize.scales import rule_of
 
-TILE = 128
 """Tile edge of the kernels: a multiple of every block (16, 32, 128) and of the swizzle's
 128-row tile."""
 
@@ -299,13 +294,8 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
     scale as a [1, 1] array."""
     xb = _as_blocks(bits.upcast_exact(v), block)
     draws = None if noise is None else _as_blocks(noise, block)
-    if f.is_mx:
-        scale, values = scaled_blocks(xb, f, scale_mode, draws)
-        scale = scale.astype(jnp.uint8)
-    elif f.has_global_scale:
-        scale, values, _ = nvfp4.scaled_blocks(xb, f, g.reshape(()), rounding(f, draws))
-    else:
-        scale, values = float32_scaled_blocks(xb, f, scale_mode, draws)
+    g = None if g is None else g.reshape(())
+    scale, values, _ = rule_of(f).scaled(xb, f, scale_mode, draws, g)
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
     on_grid = bits.round_to_grid(values, f.mbits, f.emin)
     if f.is_fp8:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
@@ -319,7 +309,7 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
 def _as_blocks(e, block):
     """A [T, T] tile as the per-block quantizers take it (``[outer, n_blocks, block, inner]``):
     [T, T/c, c, 1] for blocks ``(1, c)`` along the rows, [1, T/r, r, T] for ``(r, 1)`` along the
-    columns, :func:`~jaxmx._src.quantize.quantize.tiles`' [1, n_tiles, r * c, 1] for 2-D tiles."""
+    columns, :func:`~jaxmx._src.core.blocks.tiles`' [1, n_tiles, r * c, 1] for 2-D tiles."""
     (t0, t1), (r, c) = e.shape, block
     if r == 1:
         return e.reshape(t0, t1 // c, c, 1)

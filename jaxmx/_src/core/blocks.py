@@ -1,0 +1,77 @@
+"""The block layout: how a tensor is cut into the groups that share a scale, and its views.
+
+The one block view is :func:`blocked`: ``[outer, n_blocks, block, inner]`` around the block
+axis, zero-padded; :func:`tiles` is its 2-D-tile twin.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape
+    >>> blocked(jnp.ones((3, 40, 5)), 1, 32).shape
+    (3, 2, 32, 5)
+    >>> padded_shape((3, 40, 5), 1, 32), scale_shape((3, 40, 5), 1, 32)
+    ((3, 64, 5), (3, 2, 5))
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxmx._src.core import bits
+
+
+def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """Elements per scale along each axis: ``block`` along ``axis``, or ``tile`` over the last
+    two axes, 1 elsewhere."""
+    if tile is not None:
+        return (1,) * (len(shape) - 2) + tuple(tile)
+    return tuple(block if i == axis else 1 for i in range(len(shape)))
+
+
+def padded_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """``shape`` rounded up to whole blocks (or tiles): the shape of the codes."""
+    return tuple(
+        -(-n // b) * b for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
+    )
+
+
+def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of logical ``shape`` blocked along ``axis`` (or
+    tiled)."""
+    return tuple(-(-n // b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True))
+
+
+def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
+    x = bits.upcast_exact(x)
+    size = x.shape[axis]
+    n_blocks = -(-size // block)
+    if n_blocks * block != size:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n_blocks * block - size)
+        x = jnp.pad(x, pad)
+    outer = math.prod(x.shape[:axis])
+    inner = math.prod(x.shape[axis + 1 :])
+    return x.reshape(outer, n_blocks, block, inner)
+
+
+def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``x [..., R, C]`` zero-padded to whole tiles and viewed as ``[outer, n_tiles, rows * cols,
+    1]`` (tiles in row-major order, each tile's elements row-major)."""
+    rows, cols = tile
+    r, c = x.shape[-2:]
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, -r % rows), (0, -c % cols)]
+    x = jnp.pad(x, pad) if any(p for _, p in pad) else x
+    r, c = x.shape[-2:]
+    x = x.reshape(-1, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)
+    return x.reshape(x.shape[0], (r // rows) * (c // cols), rows * cols, 1)
+
+
+def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.Array:
+    """The inverse of :func:`tiles` for a padded ``shape`` (whole tiles)."""
+    rows, cols = tile
+    r, c = shape[-2:]
+    t = t.reshape(-1, r // rows, c // cols, rows, cols).transpose(0, 1, 3, 2, 4)
+    return t.reshape(shape)

@@ -23,7 +23,7 @@ import numpy as np
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm import capabilities
 
 
 def bench(f, *args, iters: int) -> float:
@@ -73,14 +73,15 @@ def timed_gemms(x, w) -> dict:
     device runs natively, bf16 ``jnp.dot`` first."""
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
     gemms = {"bf16 jnp.dot": (jax.jit(lambda x, w: x @ w.T), (x, w), x32, w32)}
-    if backends.fp8_supported():
+    here = capabilities.probe()
+    if here.supports("fp8"):
         (a8, sa), (b8, sb) = per_tensor(x32), per_tensor(w32)
         xs, ws = a8.astype(jnp.float32) * sa, b8.astype(jnp.float32) * sb
         for fast in (False, True):
             f = jax.jit(lambda a, b, s, t, f=fast: ffi.fp8_matmul(a, b, s, t, fast_accum=f))
             label = "fp8 per-tensor" + (", fast accumulation" if fast else "")
             gemms[label] = (f, (a8, b8, sa, sb), xs, ws)
-    if backends.cublaslt_supported():
+    if here.supports("mx"):
         a, b = jaxmx.quantize(x), jaxmx.quantize(w)
         xd, wd = jaxmx.dequantize(a), jaxmx.dequantize(b)
         mx = jax.jit(lambda a, b: ffi.mx_matmul(a, b))
@@ -95,12 +96,12 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=8192, help="M = N = K")
     parser.add_argument("--iters", type=int, default=20, help="calls per timed run")
     args = parser.parse_args()
-    status = backends.cuda_status()
-    if status != "available":
-        print(f"no native GEMM to time: {status}")
+    here = capabilities.probe()
+    if here.compute_capability is None:
+        print(f"no native GEMM to time: {here.no_device}")
         return 2
-    print(f"{jax.devices('cuda')[0].device_kind}, fp8: {backends.native_status('fp8')}, "
-          f"mx: {backends.native_status('mx')}")  # fmt: skip
+    print(f"{jax.devices('cuda')[0].device_kind}, fp8: {here.status('fp8')}, "
+          f"mx: {here.status('mx')}")  # fmt: skip
     n = args.size
     kx, kw = jax.random.split(jax.random.key(4))
     x = jax.random.normal(kx, (n, n), jnp.bfloat16)

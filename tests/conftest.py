@@ -10,7 +10,7 @@ Markers (registered in pyproject.toml):
   set: then the handler was asked for and its absence is a failure, not a skip.
 - ``gpu``: the test runs the native GEMMs on a CUDA device (tests/gpu). Skipped, with the
   reason, where there is no CUDA device or the extension lacks the cuBLASLt handler
-  (:func:`jaxmx._src.gemm.backends.cuda_status` says which), unless ``JAXMX_GPU_DRY_RUN=1``: then
+  (:func:`jaxmx._src.gemm.capabilities.probe` says which), unless ``JAXMX_GPU_DRY_RUN=1``: then
   the CPU stands in for the GPU (tests/gpu/gpu_helpers.py). ``pytest -m gpu tests/gpu`` runs them.
 - ``slow``: slow by nature (full-length runs); deselected by default, ``pytest -m slow`` runs them.
 """
@@ -63,12 +63,10 @@ def _cublaslt_missing() -> str | None:
 def _gpu_missing() -> str | None:
     if GPU_DRY_RUN:
         return None
-    from jaxmx._src.gemm import backends
-
-    status = backends.cuda_status()
-    if status == "available":
+    here = capabilities.probe()
+    if here.compute_capability is not None:
         return None
-    return f"needs a CUDA device and the cuBLASLt handler: {status}"
+    return f"needs a CUDA device and the cuBLASLt handler: {here.no_device}"
 
 
 def pytest_configure(config):

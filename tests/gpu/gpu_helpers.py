@@ -1,6 +1,6 @@
 """Shared pieces of the GPU tests (tests/gpu): the error bound, operand generators, and the
-capability gates, which take their thresholds from jaxmx._src.gemm.backends (the one place that
-knows them).
+capability gates, which take their thresholds from jaxmx._src.gemm.capabilities (REQUIREMENTS,
+the one place that knows them).
 
 The reference of every check is independent of cuBLASLt: the operands decoded
 (``jaxmx.dequantize``, or FP8 codes times their scales) and multiplied by ``jnp.dot`` in float32
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jaxmx
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm import capabilities
 
 DRY_RUN = os.environ.get("JAXMX_GPU_DRY_RUN", "") == "1"
 OUT_DTYPES = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # eps_out
@@ -93,7 +93,7 @@ def require(family: str) -> None:
     ``"block_fp8"``, ``"fp4"``) on this device, with the reason as the skip message."""
     if DRY_RUN:
         return
-    status = backends.native_status(family)
+    status = capabilities.probe().status(family)
     if status != "available":
         pytest.skip(f"{family} GEMM: {status}")
 
@@ -109,14 +109,14 @@ def assert_refused(family: str, gpu, call) -> None:
     Skips where it can (nothing to refuse) and in a dry run."""
     if DRY_RUN:
         pytest.skip("dry run: the CPU handler refuses nothing by compute capability")
-    status = backends.native_status(family)
+    status = capabilities.probe().status(family)
     if status == "available":
         pytest.skip(f"{family} GEMM runs on this device: nothing is refused")
     with pytest.raises(jax.errors.JaxRuntimeError) as info:
         jax.block_until_ready(call())
     message = str(info.value)
     if "compute capability" in status:
-        major, minor = backends.compute_capability(gpu)
+        major, minor = capabilities.compute_capability(gpu)
         assert f"has compute capability {major}.{minor};" in message, message
         assert "needs compute capability" in message or "runs on compute capability" in message
     else:

@@ -19,7 +19,7 @@ from gpu_helpers import (
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm import backends
+from jaxmx._src.gemm import capabilities
 
 pytestmark = pytest.mark.gpu
 
@@ -95,20 +95,23 @@ def test_mx_below_its_compute_capability_is_refused(gpu):
 
 
 @pytest.fixture
-def k_first_device(gpu, monkeypatch):
+def k_first_device(gpu):
     """Skips unless the MX GEMM takes K-first operands untransposed on this device
-    (:func:`jaxmx._src.gemm.backends.mx_k_first_untransposed`); in a dry run the CPU stands in
-    with that layout choice forced."""
+    (:attr:`jaxmx._src.gemm.capabilities.Capabilities.non_tn_mx`); in a dry run the CPU stands
+    in, traced as if on a 10.0 device with cuBLASLt 12.8."""
+    here = capabilities.probe()
     if DRY_RUN:
-        monkeypatch.setattr(backends, "mx_k_first_untransposed", lambda: True)
-    elif not backends.mx_k_first_untransposed():
-        cc = backends.compute_capability(gpu)
+        blackwell = capabilities.Capabilities(compute_capability=(10, 0), cublaslt_version=120800)
+        with capabilities.assume(blackwell):
+            yield gpu
+        return
+    if not here.non_tn_mx:
         pytest.skip(
             f"the MX GEMM transposes K-first operands to TN form on this device (compute "
-            f"capability {cc}, {backends.native_status('mx')}): cuBLASLt's non-TN MXFP8 layouts "
-            "are not used here (backends.non_tn_mx)"
+            f"capability {here.compute_capability}, MX: {here.status('mx')}): cuBLASLt's non-TN "
+            "MXFP8 layouts are not used here (Capabilities.non_tn_mx)"
         )
-    return gpu
+    yield gpu
 
 
 def _operand(v, k_first: bool):

@@ -124,6 +124,115 @@ int64_t StridedBatch(const LtGemm& g) {
   return g.scaling == LtScaling::kBlockVec32E8M0 && !IsFp4(g) ? g.batch : 1;
 }
 
+// A matrix layout to create: column-major [rows, cols], ld = rows.
+struct Matrix {
+  cublasLtMatrixLayout_t* layout;
+  cudaDataType_t type;
+  int64_t rows, cols;
+  const char* what;
+};
+
+// `s` as a status: ok, or kInternal naming the step (`what`) and cuBLASLt's status string.
+LtStatus Status(const CublasLtApi& api, cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return {};
+  return Error(LtCode::kInternal, CublasError(api, what, s));
+}
+
+// Sets one matmul-descriptor attribute to `value` (its size: sizeof value).
+template <typename T>
+LtStatus SetDesc(const CublasLtApi& api, cublasLtMatmulDesc_t desc,
+                 cublasLtMatmulDescAttributes_t attr, const T& value, const char* what) {
+  return Status(api, api.cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof value), what);
+}
+
+// TRANSA / TRANSB: TN, or for a K-first operand its untransposed storage (see cublaslt_gemm.h);
+// for FP4, alpha and beta read from device memory (POINTER_MODE_DEVICE).
+LtStatus SetOperations(const CublasLtApi& api, cublasLtMatmulDesc_t desc, const LtGemm& g) {
+  const cublasOperation_t op_a = g.rhs_k_first ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t op_b = g.lhs_k_first ? CUBLAS_OP_T : CUBLAS_OP_N;
+  if (LtStatus s = SetDesc(api, desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a, "setting TRANSA"); !s.ok())
+    return s;
+  if (LtStatus s = SetDesc(api, desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b, "setting TRANSB"); !s.ok())
+    return s;
+  if (g.alpha_beta == nullptr) return {};
+  const int32_t device_mode = CUBLASLT_POINTER_MODE_DEVICE;
+  return SetDesc(api, desc, CUBLASLT_MATMUL_DESC_POINTER_MODE, device_mode, "setting POINTER_MODE");
+}
+
+// A_SCALE_MODE (the rhs's) and B_SCALE_MODE (the lhs's).
+LtStatus SetScaleModePair(const CublasLtApi& api, cublasLtMatmulDesc_t desc,
+                          cublasLtMatmulMatrixScale_t a_mode, cublasLtMatmulMatrixScale_t b_mode) {
+  if (LtStatus s =
+          SetDesc(api, desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode, "setting A_SCALE_MODE");
+      !s.ok())
+    return s;
+  return SetDesc(api, desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode, "setting B_SCALE_MODE");
+}
+
+// A_SCALE_POINTER (rhs scales) and B_SCALE_POINTER (lhs scales): the heuristic sees this call's
+// pointers; every call sets its own before the matmul (LtContext::Enqueue).
+LtStatus SetScalePointers(const CublasLtApi& api, cublasLtMatmulDesc_t desc, const LtGemm& g) {
+  if (LtStatus s = SetDesc(api, desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.rhs_scale,
+                           "setting A_SCALE_POINTER");
+      !s.ok())
+    return s;
+  return SetDesc(api, desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.lhs_scale,
+                 "setting B_SCALE_POINTER");
+}
+
+// One matrix layout, stored column-major [rows, cols] with ld = rows; with batch > 1, strided
+// batched (rows * cols elements between batch elements).
+LtStatus CreateLayout(const CublasLtApi& api, const Matrix& x, int32_t batch) {
+  if (LtStatus s = Status(
+          api, api.cublasLtMatrixLayoutCreate(x.layout, x.type, x.rows, x.cols, x.rows), x.what);
+      !s.ok())
+    return s;
+  if (batch <= 1) return {};
+  const int64_t stride = x.rows * x.cols;
+  if (LtStatus s = Status(api,
+                          api.cublasLtMatrixLayoutSetAttribute(
+                              *x.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof batch),
+                          x.what);
+      !s.ok())
+    return s;
+  return Status(api,
+                api.cublasLtMatrixLayoutSetAttribute(
+                    *x.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
+                x.what);
+}
+
+// Sets one preference attribute to `value`.
+template <typename T>
+LtStatus SetPref(const CublasLtApi& api, cublasLtMatmulPreference_t pref,
+                 cublasLtMatmulPreferenceAttributes_t attr, const T& value, const char* what) {
+  return Status(api, api.cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value),
+                what);
+}
+
+// The heuristic's constraints: the workspace size and the alignments of A = rhs, B = lhs and
+// C = D = out.
+LtStatus SetPreferences(const CublasLtApi& api, cublasLtMatmulPreference_t pref, uint64_t workspace,
+                        uint32_t align_lhs, uint32_t align_rhs, uint32_t align_out) {
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    uint32_t value;
+    const char* what;
+  } alignments[4] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_rhs, "setting MIN_ALIGNMENT_A_BYTES"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_lhs, "setting MIN_ALIGNMENT_B_BYTES"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_out, "setting MIN_ALIGNMENT_C_BYTES"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_out, "setting MIN_ALIGNMENT_D_BYTES"},
+  };
+  if (LtStatus s = SetPref(api, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace,
+                           "setting MAX_WORKSPACE_BYTES");
+      !s.ok())
+    return s;
+  for (const auto& a : alignments) {
+    if (LtStatus s = SetPref(api, pref, a.attr, a.value, a.what); !s.ok()) return s;
+  }
+  return {};
+}
+
 }  // namespace
 
 bool LtContext::PlanKey::operator<(const PlanKey& o) const {
@@ -328,70 +437,57 @@ LtStatus LtContext::CheckFp4(const std::string& on, int capability, const LtGemm
   return {};
 }
 
+// A plan: the matmul descriptor (compute type, transposes, scale modes and pointers), the
+// layouts of A, B and D, and the algorithm the heuristic picks for them. On an error the parts
+// made so far stay in `plan` for Destroy.
 LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtGemm& g,
                              Plan* plan) {
-  LtStatus status;
-  auto check = [&](cublasStatus_t s, const char* what) {
-    if (s != CUBLAS_STATUS_SUCCESS && status.ok())
-      status = Error(LtCode::kInternal, CublasError(api_, what, s));
-    return s == CUBLAS_STATUS_SUCCESS;
-  };
-  auto set_desc = [&](cublasLtMatmulDescAttributes_t attr, const auto& value, const char* what) {
-    return check(api_.cublasLtMatmulDescSetAttribute(plan->desc, attr, &value, sizeof value), what);
-  };
-  if (!check(api_.cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-             "cublasLtMatmulDescCreate"))
-    return status;
-  // TN, or for a K-first operand its untransposed storage (see cublaslt_gemm.h)
-  const cublasOperation_t op_a = g.rhs_k_first ? CUBLAS_OP_N : CUBLAS_OP_T;
-  const cublasOperation_t op_b = g.lhs_k_first ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if (!set_desc(CUBLASLT_MATMUL_DESC_TRANSA, op_a, "setting TRANSA") ||
-      !set_desc(CUBLASLT_MATMUL_DESC_TRANSB, op_b, "setting TRANSB"))
-    return status;
-  if (g.alpha_beta != nullptr) {  // FP4: alpha (and beta) from device memory
-    const int32_t device_mode = CUBLASLT_POINTER_MODE_DEVICE;
-    if (!set_desc(CUBLASLT_MATMUL_DESC_POINTER_MODE, device_mode, "setting POINTER_MODE"))
-      return status;
-  }
+  if (LtStatus s =
+          Status(api_, api_.cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                 "cublasLtMatmulDescCreate");
+      !s.ok())
+    return s;
+  if (LtStatus s = SetOperations(api_, plan->desc, g); !s.ok()) return s;
+  if (LtStatus s = SetScaleModes(plan->desc, g); !s.ok()) return s;
+  if (LtStatus s = SetScalePointers(api_, plan->desc, g); !s.ok()) return s;
+  if (LtStatus s = CreateLayouts(key, g, plan); !s.ok()) return s;
+  return ChooseAlgorithm(device, key, g, plan);
+}
+
+// The scale modes: VEC32_UE8M0 / VEC16_UE4M3 on both operands (plus, on the cuBLASLt versions
+// whose heuristic cache MX shares with per-tensor FP8, the dummy ALPHA_VECTOR_BATCH_STRIDE),
+// VEC128_32F / BLK128x128_32F per operand for block FP8, or per-tensor scaling's default
+// (SCALAR_32F) with FAST_ACCUM when asked.
+LtStatus LtContext::SetScaleModes(cublasLtMatmulDesc_t desc, const LtGemm& g) const {
   if (g.scaling == LtScaling::kBlockVec32E8M0 || g.scaling == LtScaling::kBlockVec16E4M3) {
     const cublasLtMatmulMatrixScale_t mode = g.scaling == LtScaling::kBlockVec16E4M3
                                                  ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3
                                                  : CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
-    if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode, "setting A_SCALE_MODE") ||
-        !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode, "setting B_SCALE_MODE"))
-      return status;
+    if (LtStatus s = SetScaleModePair(api_, desc, mode, mode); !s.ok()) return s;
+    if (IsFp4(g) || cublaslt_version_ > kLastCublasLtWithSharedHeuristicCache) return {};
     const int64_t dummy_stride = 1;
-    if (!IsFp4(g) && cublaslt_version_ <= kLastCublasLtWithSharedHeuristicCache &&
-        !set_desc(CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, dummy_stride,
-                  "setting ALPHA_VECTOR_BATCH_STRIDE"))
-      return status;
-  } else if (g.scaling == LtScaling::kBlockF32) {
+    return SetDesc(api_, desc, CUBLASLT_MATMUL_DESC_ALPHA_VECTOR_BATCH_STRIDE, dummy_stride,
+                   "setting ALPHA_VECTOR_BATCH_STRIDE");
+  }
+  if (g.scaling == LtScaling::kBlockF32) {
 #ifdef JAXMX_HAS_BLOCK_FP8_SCALING
     auto mode = [](bool tiled) {
       return tiled ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                    : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     };
-    const cublasLtMatmulMatrixScale_t a_mode = mode(g.rhs_tiled), b_mode = mode(g.lhs_tiled);
-    if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode, "setting A_SCALE_MODE") ||
-        !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode, "setting B_SCALE_MODE"))
-      return status;
+    return SetScaleModePair(api_, desc, mode(g.rhs_tiled), mode(g.lhs_tiled));
+#else
+    return {};
 #endif
-  } else if (g.fast_accum) {
-    const int8_t on = 1;
-    if (!set_desc(CUBLASLT_MATMUL_DESC_FAST_ACCUM, on, "setting FAST_ACCUM")) return status;
   }
-  // The heuristic sees this call's scale pointers; every call sets its own before the matmul.
-  if (!set_desc(CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, g.rhs_scale, "setting A_SCALE_POINTER") ||
-      !set_desc(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, g.lhs_scale, "setting B_SCALE_POINTER"))
-    return status;
+  if (!g.fast_accum) return {};
+  const int8_t on = 1;
+  return SetDesc(api_, desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, on, "setting FAST_ACCUM");
+}
 
-  struct Matrix {
-    cublasLtMatrixLayout_t* layout;
-    cudaDataType_t type;
-    int64_t rows, cols;
-    const char* what;
-  };
-  // stored column-major [rows, cols] with ld = rows
+// The layouts of A = rhs, B = lhs and D = out^T, column-major [rows, cols] with ld = rows (see
+// cublaslt_gemm.h), strided-batched over key.batch elements.
+LtStatus LtContext::CreateLayouts(const PlanKey& key, const LtGemm& g, Plan* plan) const {
   const Matrix matrices[3] = {
       g.rhs_k_first ? Matrix{&plan->a, g.rhs_type, g.n, g.k, "the layout of A = rhs (K-first)"}
                     : Matrix{&plan->a, g.rhs_type, g.k, g.n, "the layout of A = rhs"},
@@ -399,62 +495,50 @@ LtStatus LtContext::MakePlan(const Device& device, const PlanKey& key, const LtG
                     : Matrix{&plan->b, g.lhs_type, g.k, g.m, "the layout of B = lhs"},
       {&plan->d, g.out_type, g.n, g.m, "the layout of D = out^T"},
   };
-  const int32_t batch = static_cast<int32_t>(key.batch);
   for (const Matrix& x : matrices) {
-    if (!check(api_.cublasLtMatrixLayoutCreate(x.layout, x.type, x.rows, x.cols, x.rows), x.what))
-      return status;
-    const int64_t stride = x.rows * x.cols;  // elements between batch elements
-    if (batch > 1 &&
-        (!check(api_.cublasLtMatrixLayoutSetAttribute(*x.layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                                                      &batch, sizeof batch),
-                x.what) ||
-         !check(api_.cublasLtMatrixLayoutSetAttribute(
-                    *x.layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride),
-                x.what)))
-      return status;
+    if (LtStatus s = CreateLayout(api_, x, static_cast<int32_t>(key.batch)); !s.ok()) return s;
   }
+  return {};
+}
 
+// The heuristic's first algorithm for the plan's descriptors under the key's workspace size and
+// operand alignments, or an error that names the problem.
+LtStatus LtContext::ChooseAlgorithm(const Device& device, const PlanKey& key, const LtGemm& g,
+                                    Plan* plan) const {
   cublasLtMatmulPreference_t pref = nullptr;
-  if (!check(api_.cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate"))
-    return status;
-  auto set_pref = [&](cublasLtMatmulPreferenceAttributes_t attr, const auto& value,
-                      const char* what) {
-    return check(api_.cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value), what);
-  };
+  if (LtStatus s = Status(api_, api_.cublasLtMatmulPreferenceCreate(&pref),
+                          "cublasLtMatmulPreferenceCreate");
+      !s.ok())
+    return s;
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t heuristic = CUBLAS_STATUS_SUCCESS;
-  if (set_pref(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, key.workspace,
-               "setting MAX_WORKSPACE_BYTES") &&
-      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_rhs,
-               "setting MIN_ALIGNMENT_A_BYTES") &&
-      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_lhs,
-               "setting MIN_ALIGNMENT_B_BYTES") &&
-      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_out,
-               "setting MIN_ALIGNMENT_C_BYTES") &&
-      set_pref(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_out,
-               "setting MIN_ALIGNMENT_D_BYTES")) {
+  LtStatus status =
+      SetPreferences(api_, pref, key.workspace, key.align_lhs, key.align_rhs, key.align_out);
+  if (status.ok())
     heuristic = api_.cublasLtMatmulAlgoGetHeuristic(device.handle, plan->desc, plan->a, plan->b,
                                                     plan->d, plan->d, pref, 1, &result, &found);
-  }
   api_.cublasLtMatmulPreferenceDestroy(pref);
   if (!status.ok()) return status;
-  if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0) {
-    return Error(
-        LtCode::kUnimplemented,
-        "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) + " lhs " +
-            TypeName(g.lhs_type) + Dims(g.m, g.k, g.lhs_k_first) + " x rhs " +
-            TypeName(g.rhs_type) + Dims(g.n, g.k, g.rhs_k_first) + " -> " + TypeName(g.out_type) +
-            ", batch " + std::to_string(key.batch) + ", on compute capability " +
-            Capability(device.capability) + " (alignment lhs/rhs/out " +
-            std::to_string(key.align_lhs) + "/" + std::to_string(key.align_rhs) + "/" +
-            std::to_string(key.align_out) + " bytes, workspace " + std::to_string(key.workspace) +
-            " bytes)" +
-            (heuristic != CUBLAS_STATUS_SUCCESS ? ": " + CublasError(api_, "heuristic", heuristic)
-                                                : ""));
-  }
+  if (heuristic != CUBLAS_STATUS_SUCCESS || found == 0)
+    return NoAlgorithm(device, key, g, heuristic);
   plan->algo = result.algo;
   return {};
+}
+
+LtStatus LtContext::NoAlgorithm(const Device& device, const PlanKey& key, const LtGemm& g,
+                                cublasStatus_t heuristic) const {
+  return Error(
+      LtCode::kUnimplemented,
+      "cuBLASLt has no algorithm for " + std::string(ScalingName(g.scaling)) + " lhs " +
+          TypeName(g.lhs_type) + Dims(g.m, g.k, g.lhs_k_first) + " x rhs " + TypeName(g.rhs_type) +
+          Dims(g.n, g.k, g.rhs_k_first) + " -> " + TypeName(g.out_type) + ", batch " +
+          std::to_string(key.batch) + ", on compute capability " + Capability(device.capability) +
+          " (alignment lhs/rhs/out " + std::to_string(key.align_lhs) + "/" +
+          std::to_string(key.align_rhs) + "/" + std::to_string(key.align_out) +
+          " bytes, workspace " + std::to_string(key.workspace) + " bytes)" +
+          (heuristic != CUBLAS_STATUS_SUCCESS ? ": " + CublasError(api_, "heuristic", heuristic)
+                                              : ""));
 }
 
 LtStatus LtContext::GetPlan(int ordinal, const Device& device, const LtGemm& g, uint64_t workspace,

@@ -127,6 +127,12 @@ class LtContext {
   };
   void Destroy(Plan& plan) const;
   LtStatus MakePlan(const Device& device, const PlanKey& key, const LtGemm& gemm, Plan* plan);
+  LtStatus SetScaleModes(cublasLtMatmulDesc_t desc, const LtGemm& gemm) const;
+  LtStatus CreateLayouts(const PlanKey& key, const LtGemm& gemm, Plan* plan) const;
+  LtStatus ChooseAlgorithm(const Device& device, const PlanKey& key, const LtGemm& gemm,
+                           Plan* plan) const;
+  LtStatus NoAlgorithm(const Device& device, const PlanKey& key, const LtGemm& gemm,
+                       cublasStatus_t heuristic) const;
   LtStatus GetDevice(int ordinal, Device** device);
   LtStatus Check(int ordinal, const Device& device, const LtGemm& gemm) const;
   LtStatus CheckBlockF32(const std::string& on, int capability, const LtGemm& gemm) const;

@@ -8,6 +8,10 @@ Markers (registered in pyproject.toml):
 - ``cublaslt``: the test needs an extension built with the cuBLASLt handler (``JAXMX_CUDA=ON``;
   no GPU needed). Skipped, with the reason, on a build without it, unless ``JAXMX_CUDA=ON`` is
   set: then the handler was asked for and its absence is a failure, not a skip.
+- ``gpu``: the test runs the native GEMMs on a CUDA device (tests/gpu). Skipped, with the
+  reason, where there is no CUDA device or the extension lacks the cuBLASLt handler
+  (:func:`jaxmx._src.gemm.capabilities.probe` says which), unless ``JAXMX_GPU_DRY_RUN=1``: then
+  the CPU stands in for the GPU (tests/gpu/gpu_helpers.py). ``pytest -m gpu tests/gpu`` runs them.
 - ``slow``: slow by nature (full-length runs); deselected by default, ``pytest -m slow`` runs them.
 """
 
@@ -27,16 +31,42 @@ jax.config.update("jax_num_cpu_devices", 8)
 CUDA_REQUESTED = os.environ.get("JAXMX_CUDA", "").upper() in ("ON", "1", "TRUE")
 
 
+GPU_DRY_RUN = os.environ.get("JAXMX_GPU_DRY_RUN", "") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if _ffi.has_cuda or CUDA_REQUESTED:
+    _skip_marked(items, "cublaslt", _cublaslt_missing)
+    _skip_marked(items, "gpu", _gpu_missing)
+
+
+def _skip_marked(items, marker: str, missing) -> None:
+    """Adds a skip to the items carrying ``marker`` when ``missing()`` (asked only if some do)
+    gives a reason."""
+    marked = [item for item in items if marker in item.keywords]
+    reason = missing() if marked else None
+    if reason is None:
         return
-    skip = pytest.mark.skip(
-        reason="needs the cuBLASLt handler: this extension was built without it "
+    skip = pytest.mark.skip(reason=reason)
+    for item in marked:
+        item.add_marker(skip)
+
+
+def _cublaslt_missing() -> str | None:
+    if _ffi.has_cuda or CUDA_REQUESTED:
+        return None
+    return (
+        "needs the cuBLASLt handler: this extension was built without it "
         "(JAXMX_CUDA=ON pip install -e . builds it, see docs/native.md)"
     )
-    for item in items:
-        if "cublaslt" in item.keywords:
-            item.add_marker(skip)
+
+
+def _gpu_missing() -> str | None:
+    if GPU_DRY_RUN:
+        return None
+    here = capabilities.probe()
+    if here.compute_capability is not None:
+        return None
+    return f"needs a CUDA device and the cuBLASLt handler: {here.no_device}"
 
 
 def pytest_configure(config):

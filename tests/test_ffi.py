@@ -7,12 +7,16 @@ The reference here is numpy + ml_dtypes only: fp8 codes decoded by ml_dtypes, sc
 
 from __future__ import annotations
 
+import ast
 import glob
+import importlib.machinery
+import importlib.util
 import os
 import site
 import subprocess
 import sys
 import sysconfig
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reference as ref
+import typing_extensions
 
 import jaxmx
 from jaxmx import MXArray, _ffi, ffi
@@ -534,3 +539,66 @@ def test_the_cuda_lowering_asks_for_the_workspace_and_its_alignment_slack():
     a = quantize(jnp.ones((4, 64)))
     text = jax.jit(ffi.mx_matmul).trace(a, a).lower(lowering_platforms=("cuda",)).as_text()
     assert f"tensor<{size}xui8>" in text
+
+
+# --- the type stub jaxmx/_ffi.pyi -----------------------------------------------------------
+
+CUDA_ONLY_NAMES = {"cuda_libraries"}  # defined by a build with cuBLASLt only (ffi/module.cc)
+
+
+def _stub_path() -> str:
+    """The stub beside the compiled module (where the wheel installs both)."""
+    return os.path.join(os.path.dirname(_ffi.__file__), "_ffi.pyi")
+
+
+def _load_stub():
+    """The stub executed as a module: its TypedDicts become classes with their key sets."""
+    loader = importlib.machinery.SourceFileLoader("jaxmx_ffi_stub", _stub_path())
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    return module
+
+
+def _stub_exports() -> set[str]:
+    """What the stub declares the module exports: its functions and annotated attributes (not
+    its TypedDicts, which exist for type checkers only)."""
+    with open(_stub_path()) as f:
+        tree = ast.parse(f.read())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    names |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    return names
+
+
+def _assert_keys_match(value, typed_dict, where: str) -> None:
+    """``value``'s keys are the TypedDict's (its required ones all there, no others), and so
+    are those of every nested dict the TypedDict types as a TypedDict."""
+    keys = set(value)
+    assert typed_dict.__required_keys__ <= keys, (where, typed_dict.__required_keys__ - keys)
+    allowed = typed_dict.__required_keys__ | typed_dict.__optional_keys__
+    assert keys <= allowed, f"{where}: keys the stub does not declare: {sorted(keys - allowed)}"
+    hints = typing.get_type_hints(typed_dict)
+    for key, item in value.items():
+        if typing_extensions.is_typeddict(hints[key]):
+            _assert_keys_match(item, hints[key], f"{where}[{key!r}]")
+
+
+def test_the_stub_declares_what_the_module_exports():
+    compiled = {n for n in dir(_ffi) if not n.startswith("_")}
+    declared = _stub_exports()
+    expected = declared if _ffi.has_cuda else declared - CUDA_ONLY_NAMES
+    assert compiled == expected, (
+        f"only in the module: {sorted(compiled - expected)}; "
+        f"only in the stub: {sorted(expected - compiled)}"
+    )
+
+
+def test_the_dicts_the_module_returns_have_the_stub_keys():
+    stub = _load_stub()
+    _assert_keys_match(_ffi.registrations(), stub.Registrations, "registrations()")
+    _assert_keys_match(_ffi.build_info(), stub.BuildInfo, "build_info()")
+    cuda_keys = {k for k in stub.BuildInfo.__optional_keys__ if k.startswith("cu")}
+    present = cuda_keys & set(_ffi.build_info())
+    assert present == (cuda_keys if _ffi.has_cuda else set()), present
+    assert ("CUDA" in _ffi.registrations()) == _ffi.has_cuda
+    if _ffi.has_cuda:
+        _assert_keys_match(_ffi.cuda_libraries(), stub.CudaLibraries, "cuda_libraries()")

@@ -39,7 +39,7 @@ from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.quantize import dequantize, quantize
-from jaxmx._src.training import keys
+from jaxmx._src.training import scope
 
 
 def ragged_dot(
@@ -103,7 +103,7 @@ def ragged_dot(
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.ragged_dot: preferred_element_type",
     )
-    key = keys.gradient_key(recipe.grad_rounding, key)
+    key = scope.gradient_key(recipe.grad_rounding, key)
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key)
 
@@ -156,7 +156,7 @@ def _forward(static: _Static, lhs, rhs, group_sizes, key):
 
 def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
     r = static.recipe
-    keys.require_gradient_key(r.grad_rounding, key)
+    scope.require_gradient_key(r.grad_rounding, key)
     y, _ = _forward(static, lhs, rhs, group_sizes, key)
     block = get_format(r.fwd).block
     lhs_by_group, _ = group_padded(lhs, group_sizes, block)
@@ -170,7 +170,7 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
 def _ragged_bwd(static: _Static, residuals, g):
     r = static.recipe
     (lhs_col, rhs_by_n), group_sizes, key = residuals
-    row_key, col_key = keys.copy_keys(key)
+    row_key, col_key = scope.copy_keys(key)
     dlhs = lax.ragged_dot(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),
         dequantize(rhs_by_n).swapaxes(1, 2),

@@ -37,8 +37,8 @@ from jaxmx._src.training.dot_general import (
     dot_general,
 )
 from jaxmx._src.training.einsum import einsum
-from jaxmx._src.training.keys import stochastic_rounding
 from jaxmx._src.training.ragged import ragged_dot
+from jaxmx._src.training.scope import stochastic_rounding
 from jaxmx._version import __version__
 
 __all__ = [

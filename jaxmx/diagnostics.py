@@ -32,10 +32,10 @@ from jaxmx._src.diagnostics.telemetry import (
     first_nonfinite,
     gemm_taps,
     leg_stats,
-    named,
     telemetry,
     telemetry_report,
 )
+from jaxmx._src.training.scope import named
 
 __all__ = [
     "LEGS",

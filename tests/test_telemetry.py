@@ -12,7 +12,7 @@ import jaxmx
 import jaxmx.flax.linen as mxl
 import jaxmx.flax.nnx as mxnnx
 from jaxmx import diagnostics
-from jaxmx._src.diagnostics import telemetry as telemetry_module
+from jaxmx._src.training import scope
 
 DIMS = (((1,), (0,)), ((), ()))  # x [M, K] @ w [K, N]
 
@@ -175,7 +175,7 @@ def test_telemetry_off_compiles_to_the_program_without_the_feature(monkeypatch):
         return jax.jit(jax.grad(loss)).lower(params, x).as_text()
 
     with_hook = hlo()
-    monkeypatch.setattr(telemetry_module, "observe", lambda lhs, rhs, y, *_: y)
+    monkeypatch.setattr(scope, "observe", lambda *_: None)
     assert with_hook == hlo()
 
 
@@ -260,3 +260,29 @@ def test_misuse_is_refused_with_a_clear_error():
 
     with diagnostics.telemetry(), pytest.raises(ValueError, match="covers MX and NVFP4 recipes"):
         jaxmx.dot_general(x, params[0], DIMS, recipe=jaxmx.recipes.DEEPSEEK_FP8)
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        jax.checkpoint,
+        jax.jit,
+        lambda f: lambda x: jax.vmap(f)(x[None])[0],
+        lambda f: lambda x: jax.lax.scan(lambda c, _: (f(c), None), x, None, length=2)[0],
+    ],
+    ids=["checkpoint", "jit", "vmap", "scan"],
+)
+def test_a_gemm_in_a_transformation_nested_in_the_block_is_refused(transform):
+    """The block compares JAX's opaque trace state (jax.extend.core) at entry and at each GEMM."""
+    w = jnp.ones((128, 128))
+
+    def nested(x):
+        with diagnostics.telemetry():
+            return transform(lambda x: jaxmx.dot_general(x, w, DIMS))(x)
+
+    with pytest.raises(ValueError, match="inside a transformation"):
+        nested(jnp.ones((64, 128)))
+    with diagnostics.telemetry() as record:  # the same GEMMs traced in the block's own trace
+        jax.jit(lambda x: jaxmx.dot_general(x, w, DIMS))  # (not called: nothing recorded)
+        jaxmx.dot_general(jnp.ones((64, 128)), w, DIMS)
+    assert list(record.forward) == ["dot_general"]

@@ -1,13 +1,19 @@
 """In-training telemetry: the quantization statistics of every leg of every jaxmx GEMM in a step.
 
 Inside a :func:`telemetry` block, each :func:`jaxmx.dot_general` call (and so every einsum,
-attention product and Flax layer built on it) records, without host callbacks:
+attention product and Flax layer built on it) and each :func:`jaxmx.ragged_dot` call records,
+without host callbacks:
 
 - in the forward pass, :class:`LegStats` of its two operands as quantized for the forward GEMM
   (``lhs`` and ``rhs``, each along the contracting axis), returned by the block as arrays;
 - in the backward pass, :class:`LegStats` of the output gradient's two copies (``dgrad``:
-  rowwise, along the rhs free axes; ``wgrad``: columnwise, along the lhs free axes), delivered as
-  the *gradient* of a zero "tap" that the caller passes in and differentiates against.
+  rowwise, along the rhs free axes; ``wgrad``: columnwise, along the lhs free axes, after the
+  recipe's Hadamard transform), delivered as the *gradient* of a zero "tap" that the caller
+  passes in and differentiates against.
+
+The GEMMs report the tensors they quantize themselves: the block installs its record as the
+observer of :mod:`jaxmx._src.training.scope`, and each GEMM hands it its legs (the backward
+ones from inside its custom VJP, as the tap's cotangent).
 
 Outside a block nothing is recorded and nothing is added to the program.
 
@@ -33,18 +39,19 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
+import contextvars
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.recipes import Recipe
 from jaxmx._src.diagnostics.block_stats import block_stats
-from jaxmx._src.quantize.hadamard import rht
+from jaxmx._src.training.scope import Leg, Tap, observing
 
 
 class LegStats(NamedTuple):
@@ -131,21 +138,68 @@ def leg_stats(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
 
 class Telemetry:
     """The record of a :func:`telemetry` block: ``forward`` maps each GEMM's name to its
-    :class:`ForwardLegs` (return it from the traced function to read it)."""
+    :class:`ForwardLegs` (return it from the traced function to read it).
+
+    It is the block's :class:`~jaxmx._src.training.scope.Observer`: the GEMMs report their legs
+    to it through :mod:`jaxmx._src.training.scope`, which :func:`telemetry` installs it in.
+    """
 
     def __init__(self, taps: dict[str, GradientLegs] | None):
         self.taps = taps
         self.forward: dict[str, ForwardLegs] = {}
-        self._trace = _current_trace()
+        self._trace = _trace_state()
 
     def _unique(self, name: str) -> str:
         candidates = [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 1)]
         return next(c for c in candidates if c not in self.forward)
 
+    def forward_legs(self, name: str, recipe: Recipe, lhs: Leg, rhs: Leg) -> Tap | None:
+        """Records a GEMM's forward legs under ``name`` (made unique); returns the
+        :class:`~jaxmx._src.training.scope.Tap` of its backward legs when the block has taps."""
+        if _trace_state() != self._trace:
+            raise ValueError(
+                "jaxmx.diagnostics.telemetry: a GEMM ran inside a transformation (jax.checkpoint, "
+                "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave "
+                "it; enter the block inside that transformation, or call the GEMM outside it"
+            )
+        formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
+        if not all(f.is_mx or f.has_global_scale for f in formats):
+            raise ValueError(
+                f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats "
+                f"are {recipe.fwd} / {recipe.grad}"
+            )
+        name = self._unique(name)
+        discovered = _discovering.get()
+        if discovered is not None:
+            discovered.append(name)
+        self.forward[name] = ForwardLegs(
+            index=jnp.int32(len(self.forward)), lhs=_leg_stats(lhs), rhs=_leg_stats(rhs)
+        )
+        if self.taps is None:
+            return None
+        if name not in self.taps:
+            raise KeyError(
+                f"jaxmx.diagnostics.telemetry: no tap for GEMM {name!r}; build the taps with "
+                f"gemm_taps() from the same function (they name {sorted(self.taps)})"
+            )
+        return Tap(self.taps[name], gradient_legs)
 
-_active: list[Telemetry] = []  # the open telemetry blocks, innermost last
-_names: list[str] = []  # the open named() blocks
-_discovering: list[list[str]] = []  # gemm_taps: where the names of the traced GEMMs go
+
+def _leg_stats(leg: Leg) -> LegStats:
+    """:func:`leg_stats` of a GEMM's :class:`~jaxmx._src.training.scope.Leg`."""
+    return leg_stats(leg.x, leg.fmt, leg.axis, leg.scale_mode)
+
+
+def gradient_legs(dgrad: Leg, wgrad: Leg) -> GradientLegs:
+    """The :class:`GradientLegs` of a GEMM's two output-gradient copies, as its backward pass
+    quantizes them: what its tap receives as gradient."""
+    return GradientLegs(dgrad=_leg_stats(dgrad), wgrad=_leg_stats(wgrad))
+
+
+# gemm_taps: where the names of the GEMMs traced in its discovery pass go
+_discovering: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "jaxmx_discovering", default=None
+)
 
 
 @contextlib.contextmanager
@@ -154,7 +208,8 @@ def telemetry(taps: dict[str, GradientLegs] | None = None) -> Iterator[Telemetry
 
     Enter it inside the function that is jitted and differentiated (a loss function), around
     the model's call; GEMMs inside a nested ``jax.checkpoint``, ``scan``, ``vmap`` or ``jit``
-    within the block are refused (their values could not leave it).
+    within the block are refused (their values could not leave it). The block is the calling
+    thread's (and context's) only: see :mod:`jaxmx._src.training.scope`.
 
     Args:
         taps: ``{name: zeros}`` from :func:`gemm_taps` to record the backward legs too (take the
@@ -163,24 +218,8 @@ def telemetry(taps: dict[str, GradientLegs] | None = None) -> Iterator[Telemetry
     Yields:
         a :class:`Telemetry` whose ``forward`` dict is filled as the GEMMs run.
     """
-    record = Telemetry(taps)
-    _active.append(record)
-    try:
+    with observing(Telemetry(taps)) as record:
         yield record
-    finally:
-        _active.pop()
-
-
-@contextlib.contextmanager
-def named(name: str) -> Iterator[None]:
-    """Names the jaxmx GEMMs called in the block for :func:`telemetry` (nested names join with
-    ``/``; a name used twice gets ``#1``, ``#2``, ...). GEMMs outside any ``named`` block are
-    called ``dot_general``. The Flax layers name theirs by module path."""
-    _names.append(name)
-    try:
-        yield
-    finally:
-        _names.pop()
 
 
 def gemm_taps(fn: Callable, *args, **kwargs) -> dict[str, GradientLegs]:
@@ -190,82 +229,23 @@ def gemm_taps(fn: Callable, *args, **kwargs) -> dict[str, GradientLegs]:
     names: list[str] = []
 
     def discover(*args, **kwargs):
-        _discovering.append(names)
+        token = _discovering.set(names)
         try:
             return fn(*args, None, **kwargs)
         finally:
-            _discovering.pop()
+            _discovering.reset(token)
 
     jax.eval_shape(lambda: discover(*args, **kwargs))  # args may be nnx modules: closed over
     zero = LegStats(*[jnp.zeros((), jnp.float32)] * len(LegStats._fields))
     return {name: GradientLegs(zero, zero) for name in names}
 
 
-def observe(lhs, rhs, y, canonical: Callable, recipe) -> jax.Array:
-    """``y`` (the result of ``dot_general(lhs, rhs)``), recorded in the active :func:`telemetry`
-    block if there is one. ``canonical(lhs, rhs)`` gives the ``[B, M, K]`` and ``[B, N, K]``
-    operands; ``y`` is ``[batch..., lhs free..., rhs free...]``, ``[B, M, N]`` once flattened."""
-    if not _active:
-        return y
-    record = _active[-1]
-    if _current_trace() is not record._trace:
-        raise ValueError(
-            "jaxmx.diagnostics.telemetry: a GEMM ran inside a transformation (jax.checkpoint, "
-            "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave it; "
-            "enter the block inside that transformation, or call the GEMM outside it"
-        )
-    formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
-    if not all(f.is_mx or f.has_global_scale for f in formats):
-        raise ValueError(
-            f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats are "
-            f"{recipe.fwd} / {recipe.grad}"
-        )
-    name = record._unique("/".join(_names) or "dot_general")
-    if _discovering:
-        _discovering[-1].append(name)
-    x, w = canonical(lhs, rhs)
-    record.forward[name] = ForwardLegs(
-        index=jnp.int32(len(record.forward)),
-        lhs=leg_stats(x, recipe.fwd, -1, recipe.scale_mode),
-        rhs=leg_stats(w, recipe.fwd, -1, recipe.scale_mode),
-    )
-    if record.taps is None:
-        return y
-    if name not in record.taps:
-        raise KeyError(
-            f"jaxmx.diagnostics.telemetry: no tap for GEMM {name!r}; build the taps with "
-            f"gemm_taps() from the same function (they name {sorted(record.taps)})"
-        )
-    rht_seed = recipe.rht_seed if recipe.rht else None
-    return _tap((recipe.grad, recipe.scale_mode, x.shape[:2], rht_seed), y, record.taps[name])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tap(static, y, tap):
-    return y
-
-
-def _tap_fwd(static, y, tap):
-    return y, None
-
-
-def _tap_bwd(static, _, g):
-    fmt, scale_mode, (b, m), rht_seed = static
-    g3 = g.reshape(b, m, math.prod(g.shape) // (b * m))  # [B, M, N], as the backward GEMMs see it
-    # the wgrad copy as the GEMM quantizes it: after the recipe's Hadamard transform, if any
-    g_col = g3 if rht_seed is None else rht(g3, -2, jax.random.key(rht_seed))
-    return g, GradientLegs(
-        dgrad=leg_stats(g3, fmt, -1, scale_mode), wgrad=leg_stats(g_col, fmt, -2, scale_mode)
-    )
-
-
-_tap.defvjp(_tap_fwd, _tap_bwd)
-
-
-def _current_trace():
-    from jax._src import core  # the trace that values made now belong to
-
-    return core.trace_ctx.trace
+def _trace_state():
+    """An opaque token of the current JAX trace (equal tokens: the same trace), to tell whether
+    a GEMM runs in the trace its telemetry block was entered in. ``jax.extend.core`` has had
+    the public ``get_opaque_trace_state`` since before JAX 0.10 (the private
+    ``jax._src.core.trace_ctx`` it reads is no longer needed)."""
+    return jax.extend.core.get_opaque_trace_state()
 
 
 def telemetry_report(

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core.recipes import MXFP8, Recipe
-from jaxmx._src.diagnostics.telemetry import named
 from jaxmx._src.training.attention import dot_product_attention as jaxmx_attention
 from jaxmx._src.training.dot_general import dot_general as jaxmx_dot_general
 from jaxmx._src.training.einsum import einsum as jaxmx_einsum
+from jaxmx._src.training.scope import named
 
 
 @dataclasses.dataclass(frozen=True)

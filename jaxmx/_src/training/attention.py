@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.recipes import MXFP8, Recipe
-from jaxmx._src.diagnostics.telemetry import named
 from jaxmx._src.training.einsum import einsum
+from jaxmx._src.training.scope import named
 
 
 def dot_product_attention(

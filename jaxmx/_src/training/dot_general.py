@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -53,13 +54,12 @@ from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, swap_last_axes
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.core.vma import varying_axes
-from jaxmx._src.diagnostics import telemetry
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.matmul import KERNELS
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
-from jaxmx._src.training import keys
+from jaxmx._src.training import scope
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
 RHS_COLWISE = "jaxmx_rhs_colwise"
@@ -101,7 +101,7 @@ def dot_general(
         raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
     lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
     rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
-    key = keys.gradient_key(recipe.grad_rounding, key)
+    key = scope.gradient_key(recipe.grad_rounding, key)
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
     out_dtype = check_float_dtype(
         preferred_element_type or jnp.result_type(lhs, rhs),
@@ -124,15 +124,12 @@ def dot_general(
     )
     mesh, out_spec = _explicit_layout(lhs, rhs, dims)
     if mesh is None:
-        y = _canonical_dot(static, dims, lhs, rhs, key)
-    else:
-        # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so
-        # the GEMM runs with the mesh axes switched to Auto and gives its result the operands'
-        # layout.
-        run = functools.partial(_canonical_dot, static, dims)
-        with jax.sharding.use_abstract_mesh(mesh):
-            y = jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
-    return telemetry.observe(lhs, rhs, y, functools.partial(_canonical_operands, dims), recipe)
+        return _canonical_dot(static, dims, lhs, rhs, key)
+    # Explicit mesh axes: the canonicalising reshapes have no explicit output sharding, so the
+    # GEMM runs with the mesh axes switched to Auto and gives its result the operands' layout.
+    run = functools.partial(_canonical_dot, static, dims)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(run, out_sharding=out_spec)(lhs, rhs, key)
 
 
 def _canonical_operands(dims: _Dims, lhs, rhs, rhs_k_first: bool = False):
@@ -166,12 +163,28 @@ def _keeps_k_first(dims: _Dims, rhs_ndim: int, r: Recipe) -> bool:
 
 def _canonical_dot(static: _Static, dims: _Dims, lhs, rhs, key):
     """``lax.dot_general``'s result via the custom-VJP GEMM on ``[B, M, K]`` and ``[B, N, K]``
-    (or ``[B, K, N]``, see :func:`_keeps_k_first`)."""
+    (or ``[B, K, N]``, see :func:`_keeps_k_first`), its legs reported to the active observer
+    (:func:`~jaxmx._src.training.scope.observe`)."""
     batch_shape = tuple(lhs.shape[d] for d in dims.lhs_batch)
     m_shape = tuple(lhs.shape[d] for d in dims.lhs_free)
     n_shape = tuple(rhs.shape[d] for d in dims.rhs_free)
-    y = _mx_bmm(static, *_canonical_operands(dims, lhs, rhs, static.rhs_k_first), key)
+    x, w = _canonical_operands(dims, lhs, rhs, static.rhs_k_first)
+    static, tap = _observed(static, x, w)
+    y = _mx_bmm(static, x, w, key, tap)
     return y.reshape(batch_shape + m_shape + n_shape)
+
+
+def _observed(static: _Static, x, w) -> tuple[_Static, object]:
+    """Reports the forward GEMM's operands (``x`` along K, ``w`` along K where it lies) to the
+    active observer: returns ``static`` carrying the observer's backward hook and the tap to pass
+    to :func:`_mx_bmm`, or ``static`` and ``None`` when nothing observes the backward legs."""
+    r = static.recipe
+    lhs = scope.Leg(x, r.fwd, -1, r.scale_mode)
+    rhs = scope.Leg(w, r.fwd, _weight_axes(static)[0], r.scale_mode)
+    tap = scope.observe(r, lhs, rhs)
+    if tap is None:
+        return static, None
+    return static._replace(observe_grad=tap.backward), tap.value
 
 
 def _alignment_problems(lhs, rhs, dims: _Dims, block: int) -> dict[str, str]:
@@ -224,6 +237,7 @@ class _Static(NamedTuple):
     rhs_dtype: jnp.dtype
     training_problems: tuple[str, ...]  # block misalignments that only a gradient runs into
     rhs_k_first: bool = False  # w is [B, K, N] instead of [B, N, K]
+    observe_grad: Callable | None = None  # a scope.Tap's backward: (dgrad leg, wgrad leg) -> ct
 
 
 class _Dims(NamedTuple):
@@ -267,19 +281,21 @@ class _Dims(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _mx_bmm(static: _Static, x, w, key):
+def _mx_bmm(static: _Static, x, w, key, tap):
+    """The GEMM; ``tap`` (``None``, or an observer's :class:`~jaxmx._src.training.scope.Tap`
+    value) is unused here: its cotangent carries what the observer records of the backward."""
     y, _ = _forward(static, x, w, key, training=False)
     return y
 
 
-def _mx_bmm_fwd(static: _Static, x, w, key):
+def _mx_bmm_fwd(static: _Static, x, w, key, tap):
     return _forward(static, x, w, key, training=True)
 
 
 def _forward(static: _Static, x, w, key, training: bool):
     r = static.recipe
     if training:
-        keys.require_gradient_key(r.grad_rounding, key)
+        scope.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
     along_k, along_n = _weight_axes(static)
@@ -310,7 +326,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         w_col = _tiled(w_saved, r.fwd, r) if r.weight_tile else _Operand(w_saved, r.fwd, along_n)
     if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
         w_col = swap_last_axes(w_col)
-    row_key, col_key = keys.copy_keys(key)
+    row_key, col_key = scope.copy_keys(key)
     g_row = _Operand(g, r.grad, -1, row_key)  # [B, M, N] along N
     g_col = _Operand(_wgrad_input(g, r), r.grad, -2, col_key)  # along M
     dx = _gemm(r, g_row, w_col, static.lhs_dtype)  # [B, M, K], reduces N
@@ -318,7 +334,20 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         dw = _gemm(r, x_col, g_col, static.rhs_dtype)  # [B, K, N], reduces M
     else:
         dw = _gemm(r, g_col, x_col, static.rhs_dtype)  # [B, N, K], reduces M
-    return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None
+    tap_ct = _observed_gradient(static, g_row, g_col)
+    return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None, tap_ct
+
+
+def _observed_gradient(static: _Static, g_row: _Operand, g_col: _Operand):
+    """The tap's cotangent: the observer's record of the two copies of the output gradient as
+    the backward GEMMs quantize them (``None`` when nothing observes)."""
+    if static.observe_grad is None:
+        return None
+    mode = static.recipe.scale_mode
+    return static.observe_grad(
+        scope.Leg(g_row.x, g_row.fmt, g_row.axis, mode),
+        scope.Leg(g_col.x, g_col.fmt, g_col.axis, mode),
+    )
 
 
 def _weight_axes(static: _Static) -> tuple[int, int]:

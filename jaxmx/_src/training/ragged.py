@@ -13,10 +13,18 @@ dgrad      dlhs [m, k]     N                   the output gradient along N, rhs 
 wgrad      drhs [g, k, n]  each group's tokens lhs and the output gradient along M
 =========  ==============  ==================  ===================================
 
-For the weight gradient each group's tokens are laid out from a multiple of 32 and zero-padded
-to whole blocks (a static bound of ``m + 31 g`` rows, so group sizes may be traced), so a block
-never mixes two groups whatever the group sizes. The GEMMs are emulated (exact decode, float32
-accumulation); there is no native grouped GEMM yet.
+For the weight gradient each group's tokens are laid out from a multiple of the block (32 for
+MX formats) and zero-padded to whole blocks (a static bound of ``m + 31 g`` rows, so group sizes
+may be traced), so a block never mixes two groups whatever the group sizes. The GEMMs are
+emulated (exact decode, float32 accumulation); there is no native grouped GEMM yet.
+
+The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`` saves the two
+8-bit columnwise copies (``lhs`` laid out by group along its tokens, named
+:data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, :data:`jaxmx.RHS_COLWISE`), ``"high_precision"``
+saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and quantizes them in the
+backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its four legs (default
+name ``ragged_dot``). ``Recipe.weight_tile``, ``rht``, ``accum_bits`` (and so
+``promote_every``) and ``backend="ffi"`` are refused by name.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -28,18 +36,21 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.quantize import dequantize, quantize
-from jaxmx._src.training import keys
+from jaxmx._src.training import scope
+from jaxmx._src.training.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
 
 
 def ragged_dot(
@@ -103,9 +114,10 @@ def ragged_dot(
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.ragged_dot: preferred_element_type",
     )
-    key = keys.gradient_key(recipe.grad_rounding, key)
+    key = scope.gradient_key(recipe.grad_rounding, key)
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
-    return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key)
+    static, tap = _observed(static, lhs, rhs)
+    return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
 class _Static(NamedTuple):
@@ -113,6 +125,23 @@ class _Static(NamedTuple):
     out_dtype: jnp.dtype
     lhs_dtype: jnp.dtype
     rhs_dtype: jnp.dtype
+    observe_grad: Callable | None = None  # a scope.Tap's backward: (dgrad leg, wgrad leg) -> ct
+
+
+def _observed(static: _Static, lhs, rhs) -> tuple[_Static, object]:
+    """Reports the forward GEMM's operands (``lhs [m, k]`` and ``rhs [g, k, n]``, both along K)
+    to the active observer under the name ``ragged_dot`` by default: returns ``static`` with
+    the observer's backward hook and the tap for :func:`_ragged`, or ``static`` and ``None``."""
+    r = static.recipe
+    tap = scope.observe(
+        r,
+        scope.Leg(lhs, r.fwd, 1, r.scale_mode),
+        scope.Leg(rhs, r.fwd, 1, r.scale_mode),
+        default_name="ragged_dot",
+    )
+    if tap is None:
+        return static, None
+    return static._replace(observe_grad=tap.backward), tap.value
 
 
 def _decoded(x, fmt: str, r: Recipe, axis: int, key=None) -> jax.Array:
@@ -139,11 +168,13 @@ def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(static: _Static, lhs, rhs, group_sizes, key):
-    return _forward(static, lhs, rhs, group_sizes, key)[0]
+def _ragged(static: _Static, lhs, rhs, group_sizes, key, tap):
+    """The grouped GEMM; ``tap`` (``None`` or an observer's tap) is unused here: its cotangent
+    carries what the observer records of the backward pass."""
+    return _forward(static, lhs, rhs, group_sizes)
 
 
-def _forward(static: _Static, lhs, rhs, group_sizes, key):
+def _forward(static: _Static, lhs, rhs, group_sizes):
     r = static.recipe
     y = lax.ragged_dot(
         _decoded(lhs, r.fwd, r, axis=1),
@@ -151,26 +182,45 @@ def _forward(static: _Static, lhs, rhs, group_sizes, key):
         group_sizes,
         preferred_element_type=jnp.float32,
     )
-    return y.astype(static.out_dtype), (lhs, rhs, group_sizes, key)
+    return y.astype(static.out_dtype)
 
 
-def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key):
+def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
     r = static.recipe
-    keys.require_gradient_key(r.grad_rounding, key)
-    y, _ = _forward(static, lhs, rhs, group_sizes, key)
-    block = get_format(r.fwd).block
-    lhs_by_group, _ = group_padded(lhs, group_sizes, block)
-    saved = (  # 8-bit copies for the two backward GEMMs
-        quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode),  # along each group's M
-        quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode),  # along N
-    )
+    scope.require_gradient_key(r.grad_rounding, key)
+    y = _forward(static, lhs, rhs, group_sizes)
+    if r.residuals == "quantized":  # the 8-bit copies the two backward GEMMs read
+        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
+        saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
+    else:
+        saved = (checkpoint_name(lhs, LHS_INPUT), checkpoint_name(rhs, RHS_INPUT))
     return y, (saved, group_sizes, key)
+
+
+def _columnwise(r: Recipe, lhs, rhs, group_sizes):
+    """The backward GEMMs' copies of the inputs: ``lhs`` laid out by group
+    (:func:`group_padded`) and quantized along each group's tokens, for the weight gradient,
+    and ``rhs`` quantized along N, for the input gradient (both MXArrays)."""
+    lhs_by_group, _ = group_padded(lhs, group_sizes, get_format(r.fwd).block)
+    return (
+        quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode),
+        quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode),
+    )
+
+
+def _named(q, name: str):
+    """Every array of the MXArray ``q`` named ``name`` for remat policies."""
+    return jax.tree.map(lambda a: checkpoint_name(a, name), q)
 
 
 def _ragged_bwd(static: _Static, residuals, g):
     r = static.recipe
-    (lhs_col, rhs_by_n), group_sizes, key = residuals
-    row_key, col_key = keys.copy_keys(key)
+    saved, group_sizes, key = residuals
+    if r.residuals == "quantized":
+        lhs_col, rhs_by_n = saved
+    else:
+        lhs_col, rhs_by_n = _columnwise(r, *saved, group_sizes)
+    row_key, col_key = scope.copy_keys(key)
     dlhs = lax.ragged_dot(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),
         dequantize(rhs_by_n).swapaxes(1, 2),
@@ -190,7 +240,20 @@ def _ragged_bwd(static: _Static, residuals, g):
         dims,
         preferred_element_type=jnp.float32,
     )
-    return dlhs.astype(static.lhs_dtype), drhs.astype(static.rhs_dtype), None, None
+    tap_ct = _observed_gradient(static, g, g_by_group)
+    return dlhs.astype(static.lhs_dtype), drhs.astype(static.rhs_dtype), None, None, tap_ct
+
+
+def _observed_gradient(static: _Static, g, g_by_group):
+    """The tap's cotangent: the observer's record of the output gradient as the dgrad GEMM
+    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group,
+    :func:`group_padded`, along each group's tokens); ``None`` when nothing observes."""
+    if static.observe_grad is None:
+        return None
+    r = static.recipe
+    return static.observe_grad(
+        scope.Leg(g, r.grad, 1, r.scale_mode), scope.Leg(g_by_group, r.grad, 0, r.scale_mode)
+    )
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)

@@ -23,7 +23,7 @@ from test_quantize import CORPUS, FORMATS, MODES, assert_same_float32
 import jaxmx
 from jaxmx._src.gemm.emulate import emulated_matmul
 from jaxmx._src.quantize.fake import quantize_to_grid
-from jaxmx._src.training import keys
+from jaxmx._src.training import scope
 
 ALL = [(f, m) for f in FORMATS for m in MODES]
 
@@ -148,7 +148,7 @@ def test_emulated_matmul_on_grid_operands_equals_codes():
 def _copies_reference(x, w, g, recipe, key):
     """y, dx, dw from explicitly quantized copies (codes) and the emulated GEMM."""
     q = functools.partial(jaxmx.quantize, scale_mode=recipe.scale_mode)
-    row_key, col_key = keys.copy_keys(key)
+    row_key, col_key = scope.copy_keys(key)
     y = emulated_matmul(q(x, recipe.fwd, -1), q(w, recipe.fwd, -1), jnp.float32)
     dx = emulated_matmul(q(g, recipe.grad, -1, key=row_key), q(w, recipe.fwd, -2), jnp.float32)
     dw = emulated_matmul(q(g, recipe.grad, -2, key=col_key), q(x, recipe.fwd, -2), jnp.float32)

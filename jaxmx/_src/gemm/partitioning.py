@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import sharding_impls  # decodes the shardings the rule receives
+from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -206,6 +206,18 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False
     )
 
 
+def _decoded_spec(sharding, mesh) -> tuple:
+    """The ``PartitionSpec`` entries of a sharding XLA hands a ``custom_partitioning`` rule
+    (a GSPMD sharding, not a ``NamedSharding``) over ``mesh``.
+
+    JAX has no public API for this decode: its own partitioning rules use this private one
+    (``jax._src.sharding_impls.parse_flatten_op_sharding``), pinned by the SPMD tests
+    (tests/test_spmd.py). The one ``jax._src`` use in jaxmx; tests/test_layers.py allows it here
+    only.
+    """
+    return tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
+
+
 def _spec_of(shape, mesh, where: str, block: int) -> tuple:
     """The ``PartitionSpec`` entries of an argument's (undecoded) sharding, one per dimension."""
     sharding = getattr(shape, "sharding", None)
@@ -216,7 +228,7 @@ def _spec_of(shape, mesh, where: str, block: int) -> tuple:
         spec = ()
     else:
         try:
-            spec = tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
+            spec = _decoded_spec(sharding, mesh)
         except Exception:  # split over mesh sub-axes: a dimension not divisible by its shards
             raise BlockShardingError(
                 f"{where}: an operand of shape {tuple(shape.shape)} is sharded into pieces that "

@@ -1,0 +1,216 @@
+"""The package's layers, checked from its import statements (docs/architecture.md).
+
+``jaxmx/_src`` is cut into layers, lowest first: ``core``, ``quantize``, ``gemm``, ``training``,
+``diagnostics``, ``flax``. A module may import its own layer and the ones below; the public
+facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.ffi``, ``jaxmx.diagnostics``, ``jaxmx.flax``)
+only re-export ``_src`` names, and the demo sits above everything. These tests read every
+module's imports with ``ast`` (nothing is imported) and fail on:
+
+- a cycle among module-level imports of jaxmx modules;
+- a ``_src`` module importing a public facade;
+- a lower layer importing a higher one;
+- a function-level import of a jaxmx module (the compiled extension ``jaxmx._ffi`` aside: a
+  build may lack it, and :func:`jaxmx._src.gemm.extension.load` says why);
+- a ``jax._src`` import outside :data:`JAX_PRIVATE_ALLOWED`.
+
+The checker itself is tested on a planted package with each problem.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import textwrap
+
+import jaxmx
+
+LAYERS = ("core", "quantize", "gemm", "training", "diagnostics", "flax")
+FACADES = (
+    "jaxmx",
+    "jaxmx.recipes",
+    "jaxmx.ffi",
+    "jaxmx.diagnostics",
+    "jaxmx.flax",
+    "jaxmx.flax.linen",
+    "jaxmx.flax.nnx",
+)
+LAZY_ALLOWED = ("jaxmx._ffi",)
+JAX_PRIVATE_ALLOWED = {
+    # the decode of the shardings XLA hands a custom_partitioning rule: no public API
+    "jaxmx._src.gemm.partitioning": ("jax._src.sharding_impls",),
+}
+
+
+def modules(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    """Every module of the package under ``root`` (a directory named like ``package``)."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(path: pathlib.Path, name: str, known: set[str]):
+    """``(imported module, line, at module level)`` for each import in the file; a name taken
+    from a package counts as its submodule where there is one."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nested = {
+        id(node)
+        for outer in ast.walk(tree)
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for node in ast.walk(outer)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            targets = [
+                f"{base}.{alias.name}"
+                if f"{base}.{alias.name}" in known or base.startswith("jax._src")
+                else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            yield target, node.lineno, id(node) not in nested
+
+
+def layer_of(module: str, package: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[1] == "_src" and parts[2] in LAYERS:
+        return LAYERS.index(parts[2])
+    return None
+
+
+def problems(root: pathlib.Path, package: str = "jaxmx") -> list[str]:
+    """Every breach of the rules in the module docstring, as readable lines."""
+    found = modules(root, package)
+    lazy_allowed = {m.replace("jaxmx", package, 1) for m in LAZY_ALLOWED}
+    known = set(found) | lazy_allowed
+    graph: dict[str, set[str]] = {m: set() for m in found}
+    out = []
+    facades = {f.replace("jaxmx", package, 1) for f in FACADES}
+    private_allowed = {k.replace("jaxmx", package, 1): v for k, v in JAX_PRIVATE_ALLOWED.items()}
+    for module, path in found.items():
+        where = f"{path.relative_to(root.parent)}"
+        for target, line, top in imports(path, module, known):
+            if target.startswith("jax._src"):
+                if target not in private_allowed.get(module, ()):
+                    out.append(f"{where}:{line}: imports private {target}")
+                continue
+            if target != package and not target.startswith(package + "."):
+                continue
+            if not top and target not in lazy_allowed:
+                out.append(f"{where}:{line}: function-level import of {target}")
+            if top and target in found:
+                graph[module].add(target)
+            in_src = module.startswith(f"{package}._src")
+            if in_src and target in facades:
+                out.append(f"{where}:{line}: _src module imports the public facade {target}")
+            low, high = layer_of(module, package), layer_of(target, package)
+            if low is not None and high is not None and high > low:
+                out.append(
+                    f"{where}:{line}: layer {LAYERS[low]!r} imports the higher layer "
+                    f"{LAYERS[high]!r} ({target})"
+                )
+    out += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    return list(dict.fromkeys(out))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of modules that import each other (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    result = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                result.append([*sorted(group), sorted(group)[0]])
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return result
+
+
+def test_the_package_keeps_its_layers():
+    root = pathlib.Path(jaxmx.__file__).parent
+    assert problems(root) == []
+
+
+def test_every_layer_exists_with_a_docstring_only_init():
+    src = pathlib.Path(jaxmx.__file__).parent / "_src"
+    for layer in LAYERS:
+        tree = ast.parse((src / layer / "__init__.py").read_text())
+        assert len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr), layer
+
+
+def plant(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for name, text in files.items():
+        path = tmp_path / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    for directory in [tmp_path / "pkg", *(tmp_path / "pkg").rglob("*")]:
+        if directory.is_dir() and not (directory / "__init__.py").exists():
+            (directory / "__init__.py").write_text('"""A layer."""\n')
+    return tmp_path / "pkg"
+
+
+def test_the_checker_finds_a_planted_cycle(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "_src/core/a.py": "from pkg._src.core import b\n",
+            "_src/core/b.py": "from pkg._src.core.c import x\n",
+            "_src/core/c.py": "import pkg._src.core.a\nx = 1\n",
+        },
+    )
+    assert problems(root, "pkg") == [
+        "import cycle: pkg._src.core.a -> pkg._src.core.b -> pkg._src.core.c -> pkg._src.core.a"
+    ]
+
+
+def test_the_checker_finds_upward_facade_lazy_and_private_imports(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "__init__.py": "from pkg._src.core.a import x\n",
+            "_src/core/a.py": "from pkg._src.gemm import g\nx = 1\n",
+            "_src/gemm/g.py": "import pkg\n\ndef f():\n    from pkg._src.core import a\n",
+            "_src/training/t.py": "from jax._src import core\nfrom ..core import a\n",
+        },
+    )
+    found = problems(root, "pkg")
+    assert (
+        "pkg/_src/core/a.py:1: layer 'core' imports the higher layer 'gemm' (pkg._src.gemm.g)"
+        in found
+    )
+    assert "pkg/_src/gemm/g.py:1: _src module imports the public facade pkg" in found
+    assert "pkg/_src/gemm/g.py:4: function-level import of pkg._src.core.a" in found
+    assert "pkg/_src/training/t.py:1: imports private jax._src.core" in found
+    assert any(p.startswith("import cycle: pkg -> pkg._src.core.a") for p in found)
+    assert len(found) == 5, found  # the relative import of a lower layer is fine

@@ -41,9 +41,8 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize import nvfp4
-from jaxmx._src.quantize.codec import scale_exponent_bytes
 from jaxmx._src.quantize.fake import GridArray, element_values
+from jaxmx._src.quantize.scales import rule_of
 
 
 @functools.partial(jax.jit, static_argnums=2)
@@ -93,23 +92,9 @@ def decode_rows(q: MXArray | GridArray, dtype) -> tuple[jax.Array, jax.Array]:
     # blocks: [..., rows, KB, block] (K last) or [..., KB, block, rows] (K first)
     blocked = (*data.shape[:k], n_blocks, f.block, *data.shape[k + 1 :])
     values = element_values(q).reshape(blocked)
-    if f.has_global_scale:
-        s = nvfp4.block_scales(q.scale)
-        scaled = values * jnp.expand_dims(s, k + 1)
-        row_max = jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
-        return _without_padding(scaled, q, blocked).reshape(data.shape).astype(dtype), row_max
-    byte = jnp.expand_dims(scale_exponent_bytes(q.scale), k + 1)
-    exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
-    # over K, per row (an empty K gives the smallest exponent)
-    row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True, initial=-bits.EXPONENT_BIAS)
-    relative = exponent - row_max  # <= 0
-    # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
-    scaled = values * bits.pow2(jnp.maximum(relative, -126))
-    scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
-    scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
+    scaled, row_exponent = rule_of(f).relative_to_rows(values, q.scale, k)
     scaled = _without_padding(scaled, q, blocked)
-    row_max = jnp.squeeze(row_max, (k, k + 1))
-    return scaled.reshape(data.shape).astype(dtype), row_max
+    return scaled.reshape(data.shape).astype(dtype), row_exponent
 
 
 def _without_padding(scaled, q, blocked):

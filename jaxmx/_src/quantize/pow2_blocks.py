@@ -21,11 +21,11 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import padded_shape, scale_shape
-from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.formats import FORMATS, get_format
 from jaxmx._src.core.mxarray import MXArray, checked, untiled
 
-MX_OF_BLOCK = {"fp8_e4m3_block": "mxfp8_e4m3", "fp8_e5m2_block": "mxfp8_e5m2"}
-"""The MX format with the same elements as each block-FP8 format."""
+MX_OF_BLOCK = {name: f.pow2_twin for name, f in FORMATS.items() if f.pow2_twin}
+"""The MX format with the same elements as each block-FP8 format (``Format.pow2_twin``)."""
 
 
 def as_mx(q: MXArray) -> MXArray:

@@ -126,6 +126,22 @@ class _E8M0Rule:
         has one."""
         return out
 
+    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
+        """``(values * 2^(e - s), s)`` for blocked values ``[..., KB, block, ...]`` (K blocks at
+        axis ``k``) with block exponents ``e``: each row's values relative to its largest
+        finite scale ``2^s`` (so at most ``elem_max``), exact, subnormals included; NaN in a
+        block with the NaN scale. ``s`` is int32, shaped like the rows."""
+        byte = jnp.expand_dims(scale_exponent_bytes(scale), k + 1)
+        exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
+        # over K, per row (an empty K gives the smallest exponent)
+        row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True, initial=-bits.EXPONENT_BIAS)
+        relative = exponent - row_max  # <= 0
+        # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
+        scaled = values * bits.pow2(jnp.maximum(relative, -126))
+        scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
+        scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
+        return scaled, jnp.squeeze(row_max, (k, k + 1))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Float32Rule:
@@ -143,6 +159,12 @@ class _Float32Rule:
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         return out
+
+    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
+        raise ValueError(
+            "float32 block scales have no exact row-relative decode (code * s is rounded); "
+            "the dequantized emulation takes them"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +184,11 @@ class _TensorScaledE4M3Rule:
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` times ``g``, rounded as IEEE float32 (one ``g`` per leading vmap dim)."""
         return bits.multiply_exact(out, g.reshape(g.shape + (1,) * (out.ndim - g.ndim)))
+
+    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
+        """``(code * s, 0)``: exact in float32 as they are (the tensor scale left out)."""
+        scaled = values * jnp.expand_dims(nvfp4.block_scales(scale), k + 1)
+        return scaled, jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
 
 
 RULES = {"e8m0": _E8M0Rule(), "float32": _Float32Rule(), "e4m3": _TensorScaledE4M3Rule()}

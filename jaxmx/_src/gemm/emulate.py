@@ -40,8 +40,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize.fake import GridArray, element_values
+from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import rule_of
 
 

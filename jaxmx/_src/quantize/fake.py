@@ -6,9 +6,9 @@ the element grid (round to nearest even, the format's subnormals included) by fl
 then multiplied back. No 8-bit code is encoded or decoded: on XLA:CPU that takes about a
 quarter less time than ``dequantize(quantize(x))`` fused into one jitted function.
 
-:class:`GridArray` is the same quantization kept as element values (float32 on the element
-grid) and E8M0 scales: what the emulated GEMM consumes, so that an operand quantized only to be
-decoded again in the same step skips the codes.
+:func:`quantize_to_grid` gives the same quantization kept as element values, a
+:class:`~jaxmx._src.core.grid_array.GridArray`: what the emulated GEMM consumes, so that an
+operand quantized only to be decoded again in the same step skips the codes.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -33,6 +32,7 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, get_format
+from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.quantize.codec import decode_elements, scale_back
 from jaxmx._src.quantize.quantize import checked_arguments, dequantize, quantize
@@ -77,27 +77,6 @@ def _values(g: GridArray, *, dtype) -> jax.Array:
     byte = byte.reshape(_blocked_shape(g.scale.shape, axis, 1))
     out = scale_back(xb, byte).reshape(g.data.shape)
     return lax.slice_in_dim(out, 0, g.shape[axis], axis=axis).astype(dtype)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class GridArray:
-    """An MX quantization held as element values instead of codes (fields as :class:`MXArray`).
-
-    ``data`` is float32, shaped like an MXArray's codes (padded along ``axis``, padding zero),
-    each element the decoded value of its code: on the element grid, within ``±elem_max``.
-    ``scale`` holds the E8M0 block scales. Only jaxmx's emulated GEMM consumes it.
-    """
-
-    data: jax.Array
-    scale: jax.Array
-    fmt: str = dataclasses.field(metadata=dict(static=True))
-    axis: int = dataclasses.field(metadata=dict(static=True))
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    format = MXArray.format
-    ndim = MXArray.ndim
-    data_axis = MXArray.data_axis
 
 
 def quantize_to_grid(

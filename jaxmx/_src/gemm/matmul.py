@@ -49,7 +49,7 @@ def matmul(
         b: [..., N, K] or [..., K, N] likewise, with the same leading (batch) shape as ``a``.
         out_dtype: bfloat16 (default), float16 or float32: the dtype of the result [..., M, N].
         backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs the
-            operands' format family natively, MX or block FP8, else the emulation),
+            operands' format family natively (MXFP8, FP4 or block FP8), else the emulation),
             ``"emulate"`` (any device) or ``"ffi"`` (the native custom call:
             :func:`jaxmx.ffi.mx_matmul`, :func:`jaxmx.ffi.block_fp8_matmul` or
             :func:`jaxmx.ffi.fp4_matmul`).

@@ -92,7 +92,7 @@ def _kernel(body, interpret: bool):
     return kernel
 
 
-def quantize(x, f: Format, axis: int, scale_mode: str, key, tile, g, *, interpret: bool):
+def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpret: bool):
     """(codes, scales, tensor scale or None) of :func:`jaxmx.quantize` by the kernels (checked
     arguments; ``g``: NVFP4's checked ``global_scale``, None to compute it)."""
     if f.has_global_scale and g is None:
@@ -124,7 +124,7 @@ def quantize(x, f: Format, axis: int, scale_mode: str, key, tile, g, *, interpre
     return _as_codes(data, f), bits.from_bytes(scale, f.scale_dtype), g
 
 
-def rowwise_colwise(x, f: Format, scale_mode: str, copy_keys, swizzled, interpret):
+def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool, interpret: bool):
     """:func:`jaxmx.quantize_rowwise_colwise` by the fused kernel: (row, col_t) and, with
     ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
     m, k = x.shape

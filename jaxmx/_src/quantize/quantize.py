@@ -127,8 +127,8 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
         return shaped(untile(data, padded, tile) if tile else data, rule.scales(codes), g)
 
     def kernels(x, interpret):
-        args = (f, axis, scale_mode, key, tile, global_scale)
-        return shaped(*pallas.quantize(x, *args, interpret=interpret))
+        settings = dict(f=f, axis=axis, scale_mode=scale_mode, key=key, tile=tile)
+        return shaped(*pallas.quantize(x, **settings, g=global_scale, interpret=interpret))
 
     return dispatch(impl, xla, kernels, x)
 
@@ -264,8 +264,14 @@ def _rowwise_colwise(x, key, *, f: Format, scale_mode: str, impl: str, swizzled:
         return row, col_t
 
     def kernels(x, interpret):
-        keys = (row_key, col_key)
-        return pallas.rowwise_colwise(x, f, scale_mode, keys, swizzled, interpret)
+        return pallas.rowwise_colwise(
+            x,
+            f=f,
+            scale_mode=scale_mode,
+            copy_keys=(row_key, col_key),
+            swizzled=swizzled,
+            interpret=interpret,
+        )
 
     return dispatch(impl, xla, kernels, x)
 

@@ -67,3 +67,8 @@ def test_check_accumulation_returns_the_accumulator():
     got = check_accumulation(14, 128, ("mxfp8_e4m3", "mxfp8_e5m2"), "emulate", "f")
     assert got == (14, 128) and jaxmx.Recipe(accum_bits=14, promote_every=128).accumulation == got
     assert check_accumulation(None, None, ("fp8_e4m3_block",), "ffi", "f") is None
+
+
+def test_check_accumulation_refuses_an_unknown_backend_as_check_backend_does():
+    with pytest.raises(ValueError, match="unknown backend 'cublas'"):
+        check_accumulation(14, None, ("mxfp8_e4m3",), "cublas", "jaxmx.matmul")

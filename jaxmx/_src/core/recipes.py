@@ -170,7 +170,8 @@ def check_accumulation(
     ValueError names ``where`` (``"Recipe"``, ``"jaxmx.matmul"``...).
 
     The rules: ``promote_every`` needs ``accum_bits``; both within :meth:`Accumulation.check`'s
-    ranges; MX formats only; the emulation only (``backend`` ``"auto"`` or ``"emulate"``).
+    ranges; MX formats only; the emulation only (``backend`` ``"auto"`` or ``"emulate"``; an
+    unknown one is :func:`check_backend`'s ValueError).
 
     Example:
         >>> check_accumulation(14, 128, ("mxfp8_e4m3",), "auto", "Recipe")
@@ -190,7 +191,7 @@ def check_accumulation(
     if not all(f.is_mx for f in formats):
         names = " x ".join(f.name for f in formats)
         raise ValueError(f"{where}: accum_bits models MX GEMMs only, got {names}")
-    if backend not in ("auto", "emulate"):
+    if check_backend(backend) == "ffi":
         raise ValueError(
             f"{where}: accum_bits models the accumulator in the emulation only; backend "
             f"{backend!r} cannot take it (use 'auto' or 'emulate')"

@@ -13,6 +13,7 @@ Example:
 
 from jaxmx import diagnostics, ffi, recipes
 from jaxmx._src.core.block_sharding import BlockShardingError
+from jaxmx._src.core.copies import Copies, SwizzledCopies
 from jaxmx._src.core.formats import (
     BLOCK_SCALE_MODES,
     FORMATS,
@@ -52,9 +53,11 @@ __all__ = [
     "RHS_INPUT",
     "SCALE_MODES",
     "BlockShardingError",
+    "Copies",
     "Format",
     "MXArray",
     "Recipe",
+    "SwizzledCopies",
     "__version__",
     "backends",
     "dequantize",

@@ -78,3 +78,11 @@ def test_one_version_string():
     from importlib.metadata import version
 
     assert version("jaxmx") == jaxmx.__version__
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("NATIVE_FORMATS", "MXFP8_FORMATS"), ("cublaslt_supported", "mx_supported")]
+)
+def test_renamed_ffi_names_keep_their_old_names(old, new):
+    assert getattr(jaxmx.ffi, old) is getattr(jaxmx.ffi, new)
+    assert {old, new} <= set(jaxmx.ffi.__all__)

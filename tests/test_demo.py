@@ -1,6 +1,9 @@
 """The demo end to end with a tiny model: both runs train, the report and the plot are written."""
 
+import ast
+import graphlib
 import json
+import pathlib
 import sys
 
 import jax
@@ -235,3 +238,32 @@ def test_demo_flag_errors():
         main(["--ablate", "--diagnose", "--steps", "1"])
     with pytest.raises(SystemExit, match="--diagnose records the telemetry of MX and NVFP4"):
         main(["--recipe", "deepseek_fp8", "--diagnose", "--steps", "1"])
+
+
+def _jaxmx_imports(path: pathlib.Path) -> tuple[set[str], list[str]]:
+    """The ``jaxmx.demo`` modules that ``path`` imports, and its function-level jaxmx imports."""
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    demo, nested = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        names = [n for n in names if n == "jaxmx" or n.startswith("jaxmx.")]
+        if names and id(node) not in top:
+            nested.append(f"{path.name}:{node.lineno}")
+        demo.update(n.split(".")[2] for n in names if n.startswith("jaxmx.demo."))
+    return demo, nested
+
+
+def test_demo_modules_import_each_other_at_the_top_and_without_a_cycle():
+    folder = pathlib.Path(jaxmx.demo.__file__).parent
+    graph, nested = {}, []
+    for path in sorted(folder.glob("*.py")):
+        graph[path.stem], inner = _jaxmx_imports(path)
+        nested += inner
+    assert nested == [], f"function-level imports of jaxmx modules: {nested}"
+    graphlib.TopologicalSorter(graph).prepare()  # a CycleError names the cycle

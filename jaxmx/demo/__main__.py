@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
 from jaxmx import BACKENDS, FORMATS
-from jaxmx.demo.train import RECIPES, Config
+from jaxmx.demo import report
+from jaxmx.demo.train import KEEP_LAST, RECIPES, Config, ablate, compare, get_recipe, seed_band
 
 _DEFAULTS = Config()
 
@@ -105,11 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import jax
-
-    from jaxmx.demo import report
-    from jaxmx.demo.train import KEEP_LAST, ablate, compare, get_recipe, seed_band
-
     keep_last = KEEP_LAST.get(args.recipe, 0) if args.keep_last is None else args.keep_last
     if not 0 <= keep_last <= args.layers:
         raise SystemExit(f"--keep-last must be in 0 .. --layers ({args.layers}), got {keep_last}")

@@ -19,14 +19,13 @@ import numpy as np
 from flax import nnx
 
 from jaxmx import diagnostics
+from jaxmx.demo.losses import loss_fn, rounding
 
 METRICS = ("underflow_blocks", "span_ratio_max")
 """The statistics drawn per leg (see :class:`jaxmx.diagnostics.LegStats`)."""
 
 
 def diagnosed_loss(model, inputs, targets, taps):
-    from jaxmx.demo.train import loss_fn
-
     with diagnostics.telemetry(taps) as record:
         loss = loss_fn(model, inputs, targets)
     return loss, record.forward
@@ -35,8 +34,6 @@ def diagnosed_loss(model, inputs, targets, taps):
 @nnx.jit
 def diagnosed_train_step(model, optimizer, inputs, targets, taps, key=None):
     """:func:`jaxmx.demo.train.train_step` that also returns the step's telemetry."""
-    from jaxmx.demo.train import rounding
-
     grad_fn = nnx.value_and_grad(diagnosed_loss, argnums=(0, 3), has_aux=True)
     with rounding(key):
         (loss, forward), (grads, tap_grads) = grad_fn(model, inputs, targets, taps)

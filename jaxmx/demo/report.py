@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmx.demo import data
+from jaxmx.demo import data, diagnose
 from jaxmx.demo.train import RunResult
 
 TOLERANCE = 0.01
@@ -66,8 +66,6 @@ def write(
         text += "\n" + band_text
     files = []
     if candidate.telemetry:
-        from jaxmx.demo import diagnose
-
         files.append(
             diagnose.heatmaps(
                 candidate.telemetry,

@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import sys
@@ -26,7 +25,10 @@ from flax import nnx
 import jaxmx
 from jaxmx import diagnostics
 from jaxmx.demo import data, diagnose
+from jaxmx.demo.losses import loss_fn, rounding
 from jaxmx.demo.model import Transformer
+from jaxmx.flax import MXAttention
+from jaxmx.flax.nnx import quantize_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,19 +102,11 @@ def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transforme
         data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
     )
     if recipe is not None:
-        from jaxmx.flax import MXAttention
-        from jaxmx.flax.nnx import quantize_model
-
         quantize_model(model, recipe, keep_last=cfg.keep_last)
         if attention:
             for block in list(model.blocks)[: cfg.layers - cfg.keep_last]:
                 block.attn.attention_fn = MXAttention(recipe)
     return model
-
-
-def loss_fn(model: Transformer, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    logits = model(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 @nnx.jit
@@ -139,11 +133,6 @@ def step_key(cfg: Config, recipe, step: int) -> jax.Array | None:
     if recipe is None or recipe.grad_rounding != "stochastic":
         return None
     return jax.random.fold_in(jax.random.key(cfg.seed), step)
-
-
-def rounding(key: jax.Array | None):
-    """``jaxmx.stochastic_rounding(key)`` for the GEMMs in the block, or nothing for ``None``."""
-    return contextlib.nullcontext() if key is None else jaxmx.stochastic_rounding(key)
 
 
 @nnx.jit
@@ -281,11 +270,9 @@ keeps the last blocks in higher precision."""
 def get_recipe(name: str = "mxfp8", backend: str | None = None):
     """The ``jaxmx.recipes`` preset of a demo name (``"mxfp8"`` -> ``MXFP8``), on ``backend`` if
     given."""
-    from jaxmx import recipes
-
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; expected one of {RECIPES}")
-    recipe = getattr(recipes, name.upper())
+    recipe = getattr(jaxmx.recipes, name.upper())
     return recipe if backend is None else dataclasses.replace(recipe, backend=backend)
 
 

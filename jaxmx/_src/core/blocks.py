@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.sizes import ceil_div, round_up
 
 
 def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
@@ -33,21 +34,23 @@ def blocking(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[
 def padded_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
     """``shape`` rounded up to whole blocks (or tiles): the shape of the codes."""
     return tuple(
-        -(-n // b) * b for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
+        round_up(n, b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
     )
 
 
 def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tuple[int, ...]:
     """The shape of the scales of a tensor of logical ``shape`` blocked along ``axis`` (or
     tiled)."""
-    return tuple(-(-n // b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True))
+    return tuple(
+        ceil_div(n, b) for n, b in zip(shape, blocking(shape, axis, block, tile), strict=True)
+    )
 
 
 def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
     x = bits.upcast_exact(x)
     size = x.shape[axis]
-    n_blocks = -(-size // block)
+    n_blocks = ceil_div(size, block)
     if n_blocks * block != size:
         pad = [(0, 0)] * x.ndim
         pad[axis] = (0, n_blocks * block - size)
@@ -62,7 +65,7 @@ def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     1]`` (tiles in row-major order, each tile's elements row-major)."""
     rows, cols = tile
     r, c = x.shape[-2:]
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, -r % rows), (0, -c % cols)]
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, round_up(r, rows) - r), (0, round_up(c, cols) - c)]
     x = jnp.pad(x, pad) if any(p for _, p in pad) else x
     r, c = x.shape[-2:]
     x = x.reshape(-1, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)

@@ -9,9 +9,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from jaxmx._src.core.formats import check_scale_mode, get_format
+from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 
 BACKENDS = ("auto", "emulate", "ffi")
 """The values of ``backend=`` / ``Recipe.backend``."""
@@ -53,7 +54,7 @@ RESIDUALS = ("quantized", "high_precision")
 GRAD_ROUNDINGS = ("nearest", "stochastic")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Recipe:
     """How :func:`jaxmx.dot_general` quantizes its three GEMMs (frozen and hashable).
 
@@ -88,6 +89,8 @@ class Recipe:
             over their 16-blocks.
         rht_seed: the seed of the transform's random signs (one fixed sign vector for every
             layer and step, derived from ``jax.random.key(rht_seed)``).
+
+    Every field is keyword-only: ``Recipe(grad="mxfp8_e5m2")``, not ``Recipe("mxfp8_e4m3", ...)``.
     """
 
     fwd: str = "mxfp8_e4m3"
@@ -120,17 +123,9 @@ class Recipe:
             raise TypeError(f"Recipe.rht_seed must be an int, got {self.rht_seed!r}")
         _check_choice("residuals", self.residuals, RESIDUALS)
         _check_choice("grad_rounding", self.grad_rounding, GRAD_ROUNDINGS)
-        if self.accum_bits is None and self.promote_every is not None:
-            raise ValueError("Recipe.promote_every needs accum_bits (a limited accumulator)")
-        if self.accum_bits is not None:
-            Accumulation(self.accum_bits, self.promote_every).check()
-            if not (fwd.is_mx and grad.is_mx):
-                raise ValueError("Recipe.accum_bits models MX GEMMs only, not block FP8")
-            if self.backend == "ffi":
-                raise ValueError(
-                    "Recipe.accum_bits models the accumulator in the emulation only; use "
-                    "backend='auto' or 'emulate', not 'ffi'"
-                )
+        check_accumulation(
+            self.accum_bits, self.promote_every, (fwd, grad), self.backend, where="Recipe"
+        )
 
     @property
     def accumulation(self) -> Accumulation | None:
@@ -142,6 +137,66 @@ class Recipe:
     def replace(self, **changes) -> Recipe:
         """A copy with some fields changed, e.g. ``recipe.replace(backend="emulate")``."""
         return dataclasses.replace(self, **changes)
+
+
+def check_recipe(recipe: Any, where: str, *, name: str = "recipe", optional: bool = False):
+    """Returns ``recipe`` if it is a :class:`Recipe` (or ``None`` with ``optional``), else raises
+    a TypeError naming ``where`` (the caller) and ``name`` (the argument).
+
+    Example:
+        >>> check_recipe(MXFP8, "jaxmx.einsum") is MXFP8
+        True
+        >>> check_recipe("mxfp8", "jaxmx.einsum")
+        Traceback (most recent call last):
+        TypeError: jaxmx.einsum: recipe must be a jaxmx.Recipe (e.g. ...), got 'mxfp8'
+    """
+    if isinstance(recipe, Recipe) or (optional and recipe is None):
+        return recipe
+    also = " or None (plain high precision)" if optional else ""
+    raise TypeError(
+        f"{where}: {name} must be a jaxmx.Recipe (e.g. jaxmx.recipes.MXFP8){also}, got {recipe!r}"
+    )
+
+
+def check_accumulation(
+    accum_bits: int | None,
+    promote_every: int | None,
+    formats: Sequence[str | Format],
+    backend: str,
+    where: str,
+) -> Accumulation | None:
+    """The modelled accumulator of ``accum_bits`` and ``promote_every`` (``None``: exact float32
+    accumulation), after checking that it can serve GEMMs of ``formats`` run by ``backend``; the
+    ValueError names ``where`` (``"Recipe"``, ``"jaxmx.matmul"``...).
+
+    The rules: ``promote_every`` needs ``accum_bits``; both within :meth:`Accumulation.check`'s
+    ranges; MX formats only; the emulation only (``backend`` ``"auto"`` or ``"emulate"``; an
+    unknown one is :func:`check_backend`'s ValueError).
+
+    Example:
+        >>> check_accumulation(14, 128, ("mxfp8_e4m3",), "auto", "Recipe")
+        Accumulation(bits=14, promote_every=128)
+        >>> check_accumulation(None, None, ("nvfp4",), "ffi", "Recipe") is None
+        True
+        >>> check_accumulation(14, None, ("mxfp8_e4m3",), "ffi", "jaxmx.matmul")
+        Traceback (most recent call last):
+        ValueError: jaxmx.matmul: accum_bits models the accumulator in the emulation only; backend 'ffi' cannot take it (use 'auto' or 'emulate')
+    """  # noqa: E501
+    if accum_bits is None:
+        if promote_every is not None:
+            raise ValueError(f"{where}: promote_every needs accum_bits (a limited accumulator)")
+        return None
+    accumulation = Accumulation(accum_bits, promote_every).check()
+    formats = [get_format(f) for f in formats]
+    if not all(f.is_mx for f in formats):
+        names = " x ".join(f.name for f in formats)
+        raise ValueError(f"{where}: accum_bits models MX GEMMs only, got {names}")
+    if check_backend(backend) == "ffi":
+        raise ValueError(
+            f"{where}: accum_bits models the accumulator in the emulation only; backend "
+            f"{backend!r} cannot take it (use 'auto' or 'emulate')"
+        )
+    return accumulation
 
 
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:

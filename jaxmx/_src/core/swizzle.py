@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.sizes import round_up
 
 ROW_TILE = 128
 COL_TILE = 4
@@ -36,7 +37,7 @@ def swizzle_scales(scale: jax.Array) -> jax.Array:
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
     *batch, rows, cols = s.shape
-    rp, cp = _round_up(rows, ROW_TILE), _round_up(cols, COL_TILE)
+    rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     s = jnp.pad(s, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
     # r = r0 * 128 + r1 * 32 + r2, c = c0 * 4 + c1  ->  order (r0, c0, r2, r1, c1)
     s = s.reshape(*batch, rp // 128, 4, 32, cp // 4, 4)
@@ -52,7 +53,7 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
         names = ", ".join(d.name for d in SWIZZLED_DTYPES)
         raise TypeError(f"unswizzle_scales: dtype must be one of {names}, got {dtype}")
     b = bits.as_bytes(buf, "a swizzled scale buffer", SWIZZLED_DTYPES)
-    rp, cp = _round_up(rows, ROW_TILE), _round_up(cols, COL_TILE)
+    rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:
         raise ValueError(
             f"a swizzled buffer for {rows}x{cols} scales has {rp * cp} bytes, got shape {b.shape}"
@@ -63,7 +64,3 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
     s = s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (r0, r1, r2, c0, c1)
     s = s.reshape(*batch, rp, cp)[..., :rows, :cols]
     return bits.from_bytes(s, dtype)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m

@@ -20,6 +20,7 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.flax.internals import nnx_dot_general_cls
 from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, Conversion, Rule
 
@@ -162,7 +163,7 @@ def quantize_model(
             layer.attention_fn = MXAttention(layer_recipe, name)
         elif isinstance(layer, nnx.Einsum):
             layer.einsum_op = MXEinsum(layer_recipe, name)
-        elif getattr(layer, "dot_general_cls", None) is not None:
+        elif nnx_dot_general_cls(layer) is not None:
             raise ValueError(
                 f"quantize_model: layer {name!r} sets dot_general_cls, which Flax calls instead of "
                 "its dot_general; exclude the layer or drop its dot_general_cls"

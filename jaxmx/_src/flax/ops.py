@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.flax.internals import linen_module_path
 from jaxmx._src.training.attention import dot_product_attention as jaxmx_attention
 from jaxmx._src.training.dot_general import dot_general as jaxmx_dot_general
 from jaxmx._src.training.einsum import einsum as jaxmx_einsum
@@ -68,9 +69,7 @@ class MXDotGeneral:
                     preferred_element_type,
                     recipe=self.recipe,
                 )
-        if out_sharding is not None:
-            y = jax.lax.with_sharding_constraint(y, out_sharding)
-        return y
+        return _constrained(y, out_sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +117,7 @@ class MXEinsum:
                 preferred_element_type=preferred_element_type,
                 recipe=self.recipe,
             )
-        if out_sharding is not None:
-            y = jax.lax.with_sharding_constraint(y, out_sharding)
-        return y
+        return _constrained(y, out_sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,23 +183,18 @@ class MXAttention:
         return out.reshape(*batch, *out.shape[1:])
 
 
+def _constrained(y: jax.Array, out_sharding) -> jax.Array:
+    """``y`` under the sharding constraint ``out_sharding`` that Flax passes (``None``: none)."""
+    return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
+
+
 @contextlib.contextmanager
 def _named(name: str | None):
     """Telemetry names for the GEMMs in the block: ``name``, else the calling linen module's
     path, else none (the GEMMs keep their default names)."""
-    name = name or _linen_module_path()
+    name = name or linen_module_path()
     if name is None:
         yield
         return
     with named(name):
         yield
-
-
-def _linen_module_path() -> str | None:
-    """The ``/``-joined path of the linen module being called, if any."""
-    from flax.linen import module as linen_module  # its call stack has no public accessor
-
-    stack = getattr(getattr(linen_module, "_context", None), "module_stack", None)
-    module = stack[-1] if stack else None
-    scope = getattr(module, "scope", None)
-    return "/".join(scope.path) if scope is not None and scope.path else None

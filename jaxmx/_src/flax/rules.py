@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from jaxmx._src.core.recipes import Recipe
+from jaxmx._src.core.recipes import Recipe, check_recipe
 
 Rule = str | Iterable[str] | Callable[[str, Any], bool] | None
 """``None``, pattern(s), or a predicate ``(path, layer) -> bool``."""
@@ -118,15 +118,6 @@ def last_blocks(paths: Iterable[str], n: int) -> frozenset[tuple[str, int]]:
     return frozenset(kept)
 
 
-def check_recipe(name: str, recipe: Any) -> None:
-    """Raises a TypeError unless ``recipe`` is a :class:`jaxmx.Recipe` or ``None``."""
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise TypeError(
-            f"quantize_model: {name} must be a jaxmx.Recipe (e.g. jaxmx.recipes.MXFP8) or None "
-            f"(plain high precision), got {recipe!r}"
-        )
-
-
 @dataclasses.dataclass
 class Conversion:
     """The arguments of a ``quantize_model`` call: which layers it converts, and to what.
@@ -155,8 +146,8 @@ class Conversion:
     _kept: Callable = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
-        check_recipe("recipe", self.recipe)
-        check_recipe("keep_recipe", self.keep_recipe)
+        check_recipe(self.recipe, "quantize_model", optional=True)
+        check_recipe(self.keep_recipe, "quantize_model", name="keep_recipe", optional=True)
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(
                 "quantize_model: keep_last must be an integer >= 0 (the number of final blocks "

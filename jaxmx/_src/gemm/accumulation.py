@@ -31,6 +31,7 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import STEP, Accumulation
+from jaxmx._src.core.sizes import round_up
 from jaxmx._src.gemm.emulate import decode_rows
 
 
@@ -45,7 +46,7 @@ def limited_matmul(a: MXArray, b: MXArray, out_dtype, accumulation: Accumulation
     a_values, a_shift = _tn_rows(a)
     b_values, b_shift = _tn_rows(b)
     k = a_values.shape[-1]
-    padded = -(-k // STEP) * STEP
+    padded = round_up(k, STEP)
     steps_per_promotion = (accumulation.promote_every or padded) // STEP
 
     def by_step(values):  # [..., R, K] -> [steps, ..., R, 32]

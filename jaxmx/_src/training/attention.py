@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core.dtypes import as_float_array
-from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.training.einsum import einsum
 from jaxmx._src.training.scope import named
 
@@ -53,6 +53,7 @@ def dot_product_attention(
     Returns:
         ``[B, T, N, H]`` (or ``[T, N, H]``) in ``query``'s dtype.
     """
+    check_recipe(recipe, "jaxmx.dot_product_attention")
     query = as_float_array(query, "dot_product_attention: query")
     key = as_float_array(key, "dot_product_attention: key")
     value = as_float_array(value, "dot_product_attention: value")

@@ -14,7 +14,7 @@ import string
 import jax
 
 from jaxmx._src.core.dtypes import as_float_array
-from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.training.dot_general import dot_general
 
 
@@ -35,6 +35,7 @@ def einsum(
     from the right, in every operand that has it (sizes must match: no size-1 broadcasting). An
     index repeated within one operand (a diagonal) is not supported.
     """
+    check_recipe(recipe, "jaxmx.einsum")
     lhs, rhs = as_float_array(lhs, "jaxmx.einsum: lhs"), as_float_array(rhs, "jaxmx.einsum: rhs")
     lhs_idx, rhs_idx, out_idx = _parse(subscripts, lhs.ndim, rhs.ndim)
     lhs, lhs_idx = _sum_unshared(lhs, lhs_idx, rhs_idx + out_idx)

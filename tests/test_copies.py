@@ -8,9 +8,6 @@ import pytest
 import jaxmx
 from jaxmx._src.core.copies import as_copies
 
-# quantize.py returns plain tuples until it wraps its result in as_copies (then remove this)
-UNWIRED = pytest.mark.xfail(strict=True, reason="quantize_rowwise_colwise not wired to as_copies")
-
 
 def test_the_types_are_exported_and_named():
     assert jaxmx.Copies._fields == ("row", "col_t")
@@ -31,7 +28,6 @@ def test_named_tuples_are_pytrees_through_jit():
     assert type(got) is jaxmx.SwizzledCopies and got.col_t_swizzled.tolist() == [3.0, 3.0]
 
 
-@UNWIRED
 def test_quantize_rowwise_colwise_returns_copies():
     x = jax.random.normal(jax.random.key(0), (64, 96))
     copies = jaxmx.quantize_rowwise_colwise(x)
@@ -41,7 +37,6 @@ def test_quantize_rowwise_colwise_returns_copies():
     assert row.shape == (64, 96) and col_t.shape == (96, 64)
 
 
-@UNWIRED
 def test_quantize_rowwise_colwise_returns_swizzled_copies():
     x = jax.random.normal(jax.random.key(0), (64, 96))
     got = jaxmx.quantize_rowwise_colwise(x, swizzled_scales=True)
@@ -56,7 +51,6 @@ def test_quantize_rowwise_colwise_returns_swizzled_copies():
     assert row_sw is got.row_swizzled and col_sw is got.col_t_swizzled
 
 
-@UNWIRED
 def test_the_names_survive_jit():
     got = jax.jit(lambda x: jaxmx.quantize_rowwise_colwise(x, swizzled_scales=True))(
         jnp.ones((64, 96))

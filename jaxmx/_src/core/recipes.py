@@ -66,8 +66,9 @@ class Recipe:
             (``"rceil"`` by default), :data:`jaxmx.BLOCK_SCALE_MODES` (``"fp32"``, ``"pow2"``)
             for block FP8.
         backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
-            (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native custom
-            call: cuBLASLt on a Blackwell GPU, its C++ twin on the CPU).
+            (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native
+            custom call: cuBLASLt on a CUDA GPU that runs the format's GEMM, MXFP8 and FP4 on
+            Blackwell, block FP8 on Hopper; its C++ twin on the CPU).
         residuals: ``"quantized"`` saves only the columnwise MX copies of both operands for the
             backward pass (about 1 byte per element); ``"high_precision"`` saves the inputs and
             quantizes them in the backward pass.

@@ -23,7 +23,7 @@ from jax import lax
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, untiled
-from jaxmx._src.core.recipes import Accumulation
+from jaxmx._src.core.recipes import Accumulation, check_accumulation
 from jaxmx._src.gemm import native
 from jaxmx._src.gemm.accumulation import limited_matmul
 from jaxmx._src.gemm.dequantized_matmul import dequantized_matmul
@@ -66,7 +66,8 @@ def matmul(
     for name, q in (("a", a), ("b", b)):
         axis = ReducedAxis(q.data_axis, "K", "the contracting dimension")
         check_block_alignment(q.data, "jaxmx.matmul", name, (axis,), q.format.block)
-    accumulation = _accumulation(a, b, accum_bits, promote_every)
+    formats = (a.format, b.format)
+    accumulation = check_accumulation(accum_bits, promote_every, formats, backend, "jaxmx.matmul")
     chosen = kernels(
         Gemm(
             formats=(a.fmt, b.fmt),
@@ -88,16 +89,6 @@ def run(chosen: dict[str, str], a, b, out_dtype, accumulation: Accumulation | No
     if len(branches) == 1:
         return branches["default"](a, b)
     return lax.platform_dependent(a, b, **branches)
-
-
-def _accumulation(a: MXArray, b: MXArray, accum_bits, promote_every) -> Accumulation | None:
-    if accum_bits is None and promote_every is None:
-        return None
-    if accum_bits is None:
-        raise ValueError("matmul: promote_every needs accum_bits (a limited accumulator)")
-    if not (a.format.scale_kind.pow2 and b.format.scale_kind.pow2):
-        raise ValueError(f"matmul: accum_bits models MX GEMMs only, got {a.fmt} x {b.fmt} operands")
-    return Accumulation(accum_bits, promote_every).check()
 
 
 def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:

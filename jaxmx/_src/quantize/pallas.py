@@ -48,6 +48,7 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.sizes import ceil_div
 from jaxmx._src.core.swizzle import COL_TILE, ROW_TILE
 from jaxmx._src.core.vma import vary_like
 from jaxmx._src.quantize import nvfp4
@@ -106,12 +107,12 @@ def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpre
     else:  # [size, inner] slabs, blocks along their columns
         block, view = (f.block, 1), x.reshape(outer, size, inner)
     n, a, b = view.shape
-    rows, cols = -(-a // block[0]), -(-b // block[1])  # scales per slab
+    rows, cols = ceil_div(a, block[0]), ceil_div(b, block[1])  # scales per slab
     padded = (n, rows * block[0], cols * block[1])
     if key is None:
         noise = None
     elif tile is None:  # the XLA quantizer's draws, [outer, n_blocks, block, inner]
-        noise = uniform_noise(key, (outer, -(-size // f.block), f.block, inner)).reshape(padded)
+        noise = uniform_noise(key, (outer, ceil_div(size, f.block), f.block, inner)).reshape(padded)
     else:  # drawn for tiles(x), [outer, n_tiles, rows * cols, 1]
         noise = untile(uniform_noise(key, (n, rows * cols, math.prod(tile), 1)), padded, tile)
 
@@ -128,7 +129,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
     """:func:`jaxmx.quantize_rowwise_colwise` by the fused kernel: (row, col_t) and, with
     ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
     m, k = x.shape
-    nb_k, nb_m = -(-k // f.block), -(-m // f.block)
+    nb_k, nb_m = ceil_div(k, f.block), ceil_div(m, f.block)
     g = tensor_scale(x) if f.has_global_scale else None
     row_key, col_key = copy_keys
     noise = (None, None)
@@ -257,8 +258,8 @@ def quantize_rowwise_colwise_2d(
         outs[3][...] = col_scale.T
         if swizzle:
             i, j = pl.program_id(0), pl.program_id(1)
-            row_scale = _beyond_zeroed(row_scale, (i, j), (true_m, -(-true_k // f.block)))
-            col_scale = _beyond_zeroed(col_scale.T, (j, i), (true_k, -(-true_m // f.block)))
+            row_scale = _beyond_zeroed(row_scale, (i, j), (true_m, ceil_div(true_k, f.block)))
+            col_scale = _beyond_zeroed(col_scale.T, (j, i), (true_k, ceil_div(true_m, f.block)))
             outs[4][...] = _swizzle_tile(row_scale)
             outs[5][...] = _swizzle_tile(col_scale)
 
@@ -380,6 +381,6 @@ def _swizzled_tiles(buf, size: int, block: int):
     """The kernel's [row groups, chunks] swizzled bytes -> flat, cut to the 128x4 tiles of
     ``ceil(size / block)`` scale columns (the column tiles that :func:`jaxmx.swizzle_scales`
     writes)."""
-    col_tiles = -(-size // (block * COL_TILE))
+    col_tiles = ceil_div(size, block * COL_TILE)
     tiled = buf.reshape(buf.shape[0], -1, ROW_TILE * COL_TILE)
     return tiled[:, :col_tiles].reshape(-1)

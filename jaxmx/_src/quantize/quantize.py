@@ -24,6 +24,7 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape, tiles, untile
 from jaxmx._src.core.checks import check_key, normalize_axis
+from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
@@ -200,7 +201,7 @@ def quantize_rowwise_colwise(
     key: jax.Array | None = None,
     impl: str = "auto",
     swizzled_scales: bool = False,
-):
+) -> Copies | SwizzledCopies:
     """Both copies of a 2-D ``x`` [M, K] that a training GEMM needs, from one read of ``x``.
 
     Args:
@@ -214,9 +215,10 @@ def quantize_rowwise_colwise(
             no such layout: a ValueError).
 
     Returns:
-        ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1), shape [M, K];
-        ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically transposed.
-        With ``swizzled_scales``, ``(row, col_t, row_swizzled, col_t_swizzled)``.
+        :class:`jaxmx.Copies` ``(row, col_t)``: ``row`` is ``x`` quantized along K (axis -1),
+        shape [M, K]; ``col_t`` is ``x.T`` [K, M] quantized along M (its axis -1), physically
+        transposed. With ``swizzled_scales``, :class:`jaxmx.SwizzledCopies`
+        ``(row, col_t, row_swizzled, col_t_swizzled)``.
         With ``key``, the two copies round with ``split(key)``'s two keys. NVFP4: both copies
         hold the one tensor scale ``g`` of ``x``.
 
@@ -242,8 +244,10 @@ def quantize_rowwise_colwise(
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     key = None if key is None else check_key(key, "quantize_rowwise_colwise")
-    return _rowwise_colwise(
-        x, key, f=f, scale_mode=scale_mode, impl=check_impl(impl), swizzled=swizzled_scales
+    return as_copies(
+        _rowwise_colwise(
+            x, key, f=f, scale_mode=scale_mode, impl=check_impl(impl), swizzled=swizzled_scales
+        )
     )
 
 

@@ -52,7 +52,7 @@ from jaxmx._src.core.block_sharding import (
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, swap_last_axes
-from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.matmul import KERNELS
@@ -97,8 +97,7 @@ def dot_general(
     Returns:
         An array shaped like ``lax.dot_general``'s result: batch dims, lhs free dims, rhs free dims.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
+    check_recipe(recipe, "jaxmx.dot_general")
     lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
     rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
     key = scope.gradient_key(recipe.grad_rounding, key)

@@ -46,7 +46,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
+from jaxmx._src.core.sizes import round_up
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training import scope
@@ -75,8 +76,7 @@ def ragged_dot(
     Returns:
         ``[m, n]``: row ``i`` is ``lhs[i] @ rhs[group(i)]``, zero past the last group.
     """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a jaxmx.Recipe, got {type(recipe).__name__}")
+    check_recipe(recipe, "jaxmx.ragged_dot")
     if recipe.backend == "ffi":
         raise NotImplementedError(
             "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' or "
@@ -154,8 +154,8 @@ def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
     between and after, and the padded group sizes). ``x`` is ``[m, ...]``; the result has a static
     ``roundup(m + (block - 1) g, block)`` rows."""
     m, g = x.shape[0], group_sizes.shape[0]
-    rows = -(-(m + (block - 1) * g) // block) * block
-    padded_sizes = -(-group_sizes // block) * block
+    rows = round_up(m + (block - 1) * g, block)
+    padded_sizes = round_up(group_sizes, block)
     ends = jnp.cumsum(group_sizes)
     starts, padded_starts = ends - group_sizes, jnp.cumsum(padded_sizes) - padded_sizes
     i = jnp.arange(m)

@@ -547,8 +547,9 @@ CUDA_ONLY_NAMES = {"cuda_libraries"}  # defined by a build with cuBLASLt only (f
 
 
 def _stub_path() -> str:
-    """The stub beside the compiled module (where the wheel installs both)."""
-    return os.path.join(os.path.dirname(_ffi.__file__), "_ffi.pyi")
+    """The stub in the jaxmx package: beside the compiled module in a wheel, in the source tree
+    of an editable install (where the compiled module lives in site-packages)."""
+    return os.path.join(os.path.dirname(jaxmx.__file__), "_ffi.pyi")
 
 
 def _load_stub():

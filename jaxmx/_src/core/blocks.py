@@ -46,18 +46,22 @@ def scale_shape(shape: tuple[int, ...], axis: int, block: int, tile=None) -> tup
     )
 
 
+def blocked_shape(shape: tuple[int, ...], axis: int, block: int) -> tuple[int, int, int, int]:
+    """A padded ``shape`` (whole blocks along ``axis``) viewed as ``[outer, n_blocks, block,
+    inner]``; with ``block=1``, the matching view of its scales."""
+    outer, inner = math.prod(shape[:axis]), math.prod(shape[axis + 1 :])
+    return outer, shape[axis] // block, block, inner
+
+
 def blocked(x: jax.Array, axis: int, block: int) -> jax.Array:
     """float32 view of x as [outer, n_blocks, block, inner], zero-padded along the block axis."""
     x = bits.upcast_exact(x)
     size = x.shape[axis]
-    n_blocks = ceil_div(size, block)
-    if n_blocks * block != size:
+    if size % block:
         pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, n_blocks * block - size)
+        pad[axis] = (0, round_up(size, block) - size)
         x = jnp.pad(x, pad)
-    outer = math.prod(x.shape[:axis])
-    inner = math.prod(x.shape[axis + 1 :])
-    return x.reshape(outer, n_blocks, block, inner)
+    return x.reshape(blocked_shape(x.shape, axis, block))
 
 
 def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:

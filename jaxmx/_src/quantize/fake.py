@@ -22,14 +22,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape
+from jaxmx._src.core.blocks import blocked, blocked_shape, padded_shape, scale_shape
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.grid_array import GridArray
@@ -72,9 +71,9 @@ def fake_quantize(
 def _values(g: GridArray, *, dtype) -> jax.Array:
     """The values of ``g`` in ``dtype``, unpadded: one compiled program per shape."""
     f, axis = g.format, g.axis
-    xb = g.data.reshape(_blocked_shape(g.data.shape, axis, f.block))
+    xb = g.data.reshape(blocked_shape(g.data.shape, axis, f.block))
     byte = bits.as_bytes(g.scale, "scales", bits.SCALE_DTYPES).astype(jnp.int32)
-    byte = byte.reshape(_blocked_shape(g.scale.shape, axis, 1))
+    byte = byte.reshape(blocked_shape(g.scale.shape, axis, 1))
     out = scale_back(xb, byte).reshape(g.data.shape)
     return lax.slice_in_dim(out, 0, g.shape[axis], axis=axis).astype(dtype)
 
@@ -116,8 +115,3 @@ def element_values(q: MXArray | GridArray) -> jax.Array:
     if isinstance(q, GridArray):
         return q.data
     return decode_elements(q.data, q.format)
-
-
-def _blocked_shape(shape, axis: int, block: int) -> tuple[int, ...]:
-    """``shape`` viewed as [outer, n_blocks, block, inner] around ``axis``."""
-    return (math.prod(shape[:axis]), shape[axis] // block, block, math.prod(shape[axis + 1 :]))

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,14 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
-from jaxmx._src.core.blocks import blocked, padded_shape, scale_shape, tiles, untile
+from jaxmx._src.core.blocks import (
+    blocked,
+    blocked_shape,
+    padded_shape,
+    scale_shape,
+    tiles,
+    untile,
+)
 from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
 from jaxmx._src.core.dtypes import check_float_dtype
@@ -175,11 +181,8 @@ def _dequantized(q: MXArray, *, dtype) -> jax.Array:
     q = lax.optimization_barrier(q)
     values = decode_elements(q.data, f)
     if q.tile is None:
-        axis = q.data_axis
-        outer = math.prod(q.data.shape[:axis])
-        inner = math.prod(q.data.shape[axis + 1 :])
-        values = values.reshape(outer, q.scale.shape[axis], f.block, inner)
-        scale = q.scale.reshape(outer, q.scale.shape[axis], 1, inner)
+        values = values.reshape(blocked_shape(q.data.shape, q.data_axis, f.block))
+        scale = q.scale.reshape(blocked_shape(q.scale.shape, q.data_axis, 1))
     else:
         values = tiles(values, q.tile)
         scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmx._src.core.formats import Format, get_format
-from jaxmx._src.core.recipes import Accumulation, check_backend
+from jaxmx._src.core.recipes import Accumulation, check_accumulation, check_backend
 from jaxmx._src.gemm import capabilities as caps
 from jaxmx._src.gemm.capabilities import Capabilities
 
@@ -75,11 +75,8 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
     (:func:`~jaxmx._src.gemm.capabilities.current`) by default."""
     backend = check_backend(gemm.backend)
     if gemm.accumulation is not None:
-        if backend == "ffi":
-            raise ValueError(
-                "accum_bits models the accumulator in the emulation only; backend 'ffi' cannot "
-                "take it (use 'auto' or 'emulate')"
-            )
+        acc = gemm.accumulation
+        check_accumulation(acc.bits, acc.promote_every, gemm.formats, backend, "jaxmx GEMM")
         return {"default": "limited"}
     if backend == "ffi":
         return {"default": "native"}

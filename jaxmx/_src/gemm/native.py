@@ -422,10 +422,17 @@ def fp4_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
     check_gemm_pair(a, b, "fp4_matmul")
     out_dtype = check_float_dtype(out_dtype, "fp4_matmul: out_dtype")
     extension.register_targets()
-    a, b = untiled(a), untiled(b)
     nvfp4 = a.format.has_global_scale
+    return _fp4_call(out_dtype, nvfp4)(*_fp4_operands(a, b))
+
+
+@jax.jit
+def _fp4_operands(a: MXArray, b: MXArray):
+    """The FP4 custom call's operands of checked ``a`` and ``b``: packed codes, compact scale
+    bytes and tensor scales. Jitted, so that an eager call runs one compiled program."""
+    a, b = untiled(a), untiled(b)
     batch = a.data.shape[:-2]
-    return _fp4_call(out_dtype, nvfp4)(
+    return (
         _packed_codes(a),
         _packed_codes(b),
         _fp4_scales(a),

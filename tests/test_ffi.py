@@ -8,6 +8,7 @@ The reference here is numpy + ml_dtypes only: fp8 codes decoded by ml_dtypes, sc
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import importlib.machinery
 import importlib.util
@@ -28,7 +29,7 @@ import typing_extensions
 
 import jaxmx
 from jaxmx import MXArray, _ffi, ffi
-from jaxmx._src.gemm import extension
+from jaxmx._src.gemm import capabilities
 from jaxmx._src.gemm.dispatch import native_pair
 
 E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
@@ -394,23 +395,19 @@ def test_cpp_side_errors():
 
 
 @pytest.fixture
-def no_handler(monkeypatch):
-    """The native GEMM told that some platforms have no handler, with a recognisable reason.
+def no_handler(machine):
+    """The native GEMM lowered for a machine where some platforms have no handler, with a
+    recognisable reason.
 
     Shapes used under it are not used elsewhere, and the caches are cleared after it, so no
     trace made without the handler is reused.
     """
 
-    def patch(*platforms):
-        real = extension.handler_status
-        monkeypatch.setattr(
-            extension,
-            "handler_status",
-            lambda p: f"no handler here ({p}, test)" if p in platforms else real(p),
-        )
+    def assume(*platforms):
+        missing = tuple((p, f"no handler here ({p}, test)") for p in platforms)
+        machine(dataclasses.replace(capabilities.current(), missing_handlers=missing))
 
-    yield patch
-    monkeypatch.undo()
+    yield assume
     jax.clear_caches()
 
 

@@ -93,6 +93,9 @@ class Capabilities:
     cublaslt_version: int | None = None
     # why cuBLASLt did not load (read only where cublaslt_version is None)
     cublaslt_error: str = "cuBLASLt is not loaded"
+    # (platform, why) for lowering platforms taken to have no custom-call handler; every other
+    # platform's handler is as the extension says (extension.handler_status)
+    missing_handlers: tuple[tuple[str, str], ...] = ()
 
     def status(self, gemm: str) -> str:
         """``"available"`` where the native GEMM ``gemm`` (a key of :data:`REQUIREMENTS`) runs
@@ -118,6 +121,11 @@ class Capabilities:
     def supports(self, gemm: str) -> bool:
         """Whether the native GEMM ``gemm`` runs on this device."""
         return self.status(gemm) == "available"
+
+    def handler(self, platform: str) -> str:
+        """``"available"`` where the extension has a custom-call handler for the lowering
+        ``platform``, else why not."""
+        return dict(self.missing_handlers).get(platform) or extension.handler_status(platform)
 
     @property
     def non_tn_mx(self) -> bool:

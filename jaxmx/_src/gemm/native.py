@@ -601,8 +601,8 @@ def _custom_call(
     ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
     ``n_multiple``, and the number of output columns to keep. ``k_first``: whether ``a`` and
     ``b`` are [..., K, rows] instead of [..., rows, K] (the MX GEMM). Platforms without a
-    handler (:func:`jaxmx._src.gemm.extension.handler_status`) get a branch that fails at lowering
-    with the reason.
+    handler (:meth:`~jaxmx._src.gemm.capabilities.Capabilities.handler`) get a branch that
+    fails at lowering with the reason.
     """
 
     def rows(x, k_first_operand: bool) -> int:
@@ -629,7 +629,7 @@ def _custom_call(
     branches = {
         platform: branch(workspace, n_multiple)
         for platform, workspace, n_multiple in _PLATFORMS
-        if extension.handler_status(platform) == "available"
+        if capabilities.current().handler(platform) == "available"
     }
 
     def unsupported(*args):
@@ -658,7 +658,8 @@ _unsupported_p.def_impl(
 
 def _unsupported_lowering(ctx, *args, shape, dtype, fn, handled):
     platforms = [p for p in ctx.module_context.platforms if p not in handled]
-    reasons = "; ".join(f"{p}: {extension.handler_status(p)}" for p in platforms)
+    here = capabilities.current()
+    reasons = "; ".join(f"{p}: {here.handler(p)}" for p in platforms)
     raise RuntimeError(
         f"jaxmx.ffi.{fn}: the native GEMM (backend='ffi') has no handler for platform "
         f"{', '.join(repr(p) for p in platforms) or 'this platform'} ({reasons or 'unknown'}); "

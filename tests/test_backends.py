@@ -181,3 +181,10 @@ def test_assume_takes_only_capabilities():
     with pytest.raises(TypeError, match="Capabilities"):
         with jaxmx._src.gemm.capabilities.assume((10, 0)):
             pass
+
+
+def test_grouped_gemms_are_emulated_everywhere_and_refuse_ffi():
+    mx = ("mxfp8_e4m3", "mxfp8_e4m3")
+    assert plan("auto", mx, BLACKWELL, grouped=True) == {"default": "dequantized"}
+    with pytest.raises(NotImplementedError, match="no native grouped MX GEMM"):
+        plan("ffi", mx, grouped=True)

@@ -9,7 +9,8 @@ CUDA device (:mod:`~jaxmx._src.gemm.capabilities`), another for ``"cuda"``. The 
   float32 accumulation (formats whose products ``code * scale`` are exact, in equal blocks);
 - ``"emulate_values"``: the same on operands quantized straight to element values (a caller
   that has not quantized yet, E8M0 scales in 1-D blocks): the same bits in less time;
-- ``"dequantized"``: float32 dequantized operands (float32 scales, narrow tiles, unequal blocks);
+- ``"dequantized"``: float32 dequantized operands (float32 scales, narrow tiles, unequal blocks,
+  and grouped GEMMs, which have no native kernel yet);
 - ``"limited"``: the modelled limited-precision accumulator (``accum_bits``);
 - ``"native"``: the native custom call of the formats' family (``Format.gemm``);
 - ``"native_pow2_twin"``: block FP8 with power-of-two scales, re-encoded as its MX twin, on the
@@ -66,6 +67,8 @@ class Gemm:
     scale_mode: str | None = None
     # the caller can quantize its operands straight to element values
     to_values: bool = False
+    # a grouped GEMM (jaxmx.ragged_dot), which has no native kernel yet
+    grouped: bool = False
 
 
 def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, str]:
@@ -74,6 +77,13 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
     whose CUDA device runs the formats' native GEMM). ``capabilities``: the machine's
     (:func:`~jaxmx._src.gemm.capabilities.current`) by default."""
     backend = check_backend(gemm.backend)
+    if gemm.grouped:
+        if backend == "ffi":
+            raise NotImplementedError(
+                "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' "
+                "or 'auto' (which emulates it)"
+            )
+        return {"default": "dequantized"}
     if gemm.accumulation is not None:
         acc = gemm.accumulation
         check_accumulation(acc.bits, acc.promote_every, gemm.formats, backend, "jaxmx GEMM")

@@ -48,6 +48,7 @@ from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
+from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training import scope
@@ -77,11 +78,9 @@ def ragged_dot(
         ``[m, n]``: row ``i`` is ``lhs[i] @ rhs[group(i)]``, zero past the last group.
     """
     check_recipe(recipe, "jaxmx.ragged_dot")
-    if recipe.backend == "ffi":
-        raise NotImplementedError(
-            "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' or "
-            "'auto' (which emulates it)"
-        )
+    # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or the
+    # refusal of backend="ffi"), which _ragged's decode then lax.ragged_dot implement
+    kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
     if recipe.weight_tile is not None:
         raise NotImplementedError(
             "jaxmx.ragged_dot: Recipe.weight_tile (2-D weight tiles) is not available for "

@@ -303,8 +303,9 @@ def _forward(static: _Static, x, w, key, training: bool):
     if not training:
         return y, None
     if r.residuals == "quantized":
-        w_col = w_fwd if r.weight_tile else _quantize(w, r.fwd, along_n, r.scale_mode, False)
-        x_col = _quantize(_wgrad_input(x, r), r.fwd, -2, r.scale_mode, False)
+        col = dict(fmt=r.fwd, scale_mode=r.scale_mode, to_values=False)
+        w_col = w_fwd if r.weight_tile else _quantize(w, axis=along_n, **col)
+        x_col = _quantize(_wgrad_input(x, r), axis=-2, **col)
         saved = (
             _named(x_col, LHS_COLWISE),
             _named(w_col, RHS_COLWISE),
@@ -430,7 +431,10 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
         def operand(q):
             if isinstance(q, MXArray):
                 return q
-            return _quantize(q.x, q.fmt, q.axis, r.scale_mode, kernel == "emulate_values", q.key)
+            to_values = kernel == "emulate_values"
+            return _quantize(
+                q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=to_values
+            )
 
         run = KERNELS[kernel]
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
@@ -443,10 +447,10 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
 # under an outer jit they inline. (Jitting _mx_bmm as a whole would hide the residual names from
 # remat policies.)
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _quantize(x, fmt: str, axis: int, scale_mode: str, to_grid: bool, key=None):
-    """``x`` quantized along ``axis``: an MXArray, or with ``to_grid`` a GridArray."""
-    quantizer = quantize_to_grid if to_grid else quantize
+@functools.partial(jax.jit, static_argnames=("fmt", "axis", "scale_mode", "to_values"))
+def _quantize(x, key=None, *, fmt: str, axis: int, scale_mode: str, to_values: bool):
+    """``x`` quantized along ``axis``: an MXArray, or with ``to_values`` a GridArray."""
+    quantizer = quantize_to_grid if to_values else quantize
     return quantizer(x, fmt, axis=axis, scale_mode=scale_mode, key=key)
 
 

@@ -114,12 +114,7 @@ def mx_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
         >>> ffi.mx_matmul(a_k_first, b, jnp.float32)[0, 0].tolist()
         [32.0, 32.0, 32.0, 32.0, 32.0]
     """
-    a = _check_mx_operand(a, "a")
-    b = _check_mx_operand(b, "b")
-    _check_type_pair(a, b, "mx_matmul")
-    check_gemm_pair(a, b, "mx_matmul")
-    out_dtype = check_float_dtype(out_dtype, "mx_matmul: out_dtype")
-    extension.register_targets()
+    a, b, out_dtype = _checked_fp8_pair(a, b, out_dtype, "mx_matmul", _check_mx_operand)
     if not capabilities.current().non_tn_mx:
         a, b = tn_form(a), tn_form(b)  # the all-TN path (sm_12x, CPU-only hosts)
     k_first = (_k_first(a), _k_first(b))
@@ -134,6 +129,18 @@ def tn_form(q: MXArray) -> MXArray:
 
 def _k_first(q: MXArray) -> bool:
     return q.axis == q.ndim - 2
+
+
+def _checked_fp8_pair(a, b, out_dtype, fn: str, check_operand):
+    """``(a, b, out_dtype)`` of an FP8 GEMM ``fn`` after the checks: each operand by
+    ``check_operand(q, name)``, the pair (cuBLASLt's type table, equal K and batch dims), the
+    output dtype; the custom-call targets registered."""
+    a, b = check_operand(a, "a"), check_operand(b, "b")
+    _check_type_pair(a, b, fn)
+    check_gemm_pair(a, b, fn)
+    out_dtype = check_float_dtype(out_dtype, f"{fn}: out_dtype")
+    extension.register_targets()
+    return a, b, out_dtype
 
 
 def _check_type_pair(a: MXArray, b: MXArray, fn: str) -> None:
@@ -295,12 +302,7 @@ def block_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Arra
         >>> ffi.block_fp8_matmul(a, b, jnp.float32).tolist()
         [[128.0, 128.0, 128.0], [128.0, 128.0, 128.0]]
     """
-    a = _check_block_operand(a, "a")
-    b = _check_block_operand(b, "b")
-    _check_type_pair(a, b, "block_fp8_matmul")
-    check_gemm_pair(a, b, "block_fp8_matmul")
-    out_dtype = check_float_dtype(out_dtype, "block_fp8_matmul: out_dtype")
-    extension.register_targets()
+    a, b, out_dtype = _checked_fp8_pair(a, b, out_dtype, "block_fp8_matmul", _check_block_operand)
     a_tiles, b_tiles = _whole_tiles(a), _whole_tiles(b) and not _whole_tiles(a)
     a, b = untiled(a), untiled(b)
     call = _block_call(out_dtype, a_tiles, b_tiles)

@@ -72,13 +72,14 @@ def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     pad = [(0, 0)] * (x.ndim - 2) + [(0, round_up(r, rows) - r), (0, round_up(c, cols) - c)]
     x = jnp.pad(x, pad) if any(p for _, p in pad) else x
     r, c = x.shape[-2:]
-    x = x.reshape(-1, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)
-    return x.reshape(x.shape[0], (r // rows) * (c // cols), rows * cols, 1)
+    outer = math.prod(x.shape[:-2])  # not -1: an empty x leaves it ambiguous
+    x = x.reshape(outer, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)
+    return x.reshape(outer, (r // rows) * (c // cols), rows * cols, 1)
 
 
 def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.Array:
     """The inverse of :func:`tiles` for a padded ``shape`` (whole tiles)."""
     rows, cols = tile
     r, c = shape[-2:]
-    t = t.reshape(-1, r // rows, c // cols, rows, cols).transpose(0, 1, 3, 2, 4)
+    t = t.reshape(math.prod(shape[:-2]), r // rows, c // cols, rows, cols).transpose(0, 1, 3, 2, 4)
     return t.reshape(shape)

@@ -38,7 +38,13 @@ class Accumulation(NamedTuple):
     promote_every: int | None = None
 
     def check(self) -> Accumulation:
-        """Itself, after checking its fields (``ValueError`` naming the bad one)."""
+        """Itself, after checking its fields (``ValueError`` naming the bad one; a TypeError for
+        a bool, which is no accumulator width)."""
+        if isinstance(self.bits, bool) or isinstance(self.promote_every, bool):
+            raise TypeError(
+                f"accum_bits and promote_every must be integers, not bools, got accum_bits="
+                f"{self.bits!r}, promote_every={self.promote_every!r}"
+            )
         if not isinstance(self.bits, int) or not 1 <= self.bits <= MAX_BITS:
             raise ValueError(
                 f"accum_bits must be an integer in [1, {MAX_BITS}] (the model sums each step's "
@@ -111,7 +117,7 @@ class Recipe:
         check_scale_mode(self.scale_mode, fwd)
         check_scale_mode(self.scale_mode, grad)
         if self.weight_tile is not None:
-            if tuple(self.weight_tile) != (fwd.block, fwd.block):
+            if _as_tuple(self.weight_tile) != (fwd.block, fwd.block):
                 raise ValueError(
                     f"Recipe.weight_tile must be None or ({fwd.block}, {fwd.block}) for "
                     f"{fwd.name} (square tiles of its block), got {self.weight_tile!r}"
@@ -198,6 +204,14 @@ def check_accumulation(
             f"{backend!r} cannot take it (use 'auto' or 'emulate')"
         )
     return accumulation
+
+
+def _as_tuple(value) -> tuple | None:
+    """``tuple(value)``, or ``None`` for a value that is not iterable (e.g. a bare int)."""
+    try:
+        return tuple(value)
+    except TypeError:
+        return None
 
 
 def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:

@@ -270,6 +270,9 @@ def gemm_probe(
         the float64 product of the unquantized operands (the quantization error, for scale).
     """
     f = get_format(fmt)
+    for name, size in (("m", m), ("n", n), ("k", k)):
+        if isinstance(size, bool) or not hasattr(size, "__index__") or size < 1:
+            raise ValueError(f"gemm_probe: {name} must be a positive integer, got {size!r}")
     if distribution not in ("normal", "uniform"):
         raise ValueError(f"distribution must be 'normal' or 'uniform', got {distribution!r}")
     a, b, a_q, b_q, result = _probe_gemm(

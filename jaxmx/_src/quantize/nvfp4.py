@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import Format
@@ -48,7 +49,12 @@ def global_scale_of(amax_bits: jax.Array) -> jax.Array:
 
 
 def checked_global_scale(g, f: Format) -> jax.Array | None:
-    """A user's ``global_scale`` as a float32 scalar (at least ``2^-126``), or None."""
+    """A user's ``global_scale`` as a float32 scalar (at least ``2^-126``), or None.
+
+    A concrete value must be positive and finite (a ValueError otherwise); a traced one (under
+    ``jit``) cannot be checked and is taken as it is: a negative or zero one is raised to
+    ``2^-126``, a NaN one makes every block NaN.
+    """
     if g is None:
         return None
     if not f.has_global_scale:
@@ -56,6 +62,8 @@ def checked_global_scale(g, f: Format) -> jax.Array | None:
     g = jnp.asarray(g)
     if g.shape != () or not jnp.issubdtype(g.dtype, jnp.floating):
         raise TypeError(f"quantize: global_scale must be a float scalar, got {g.dtype}{g.shape}")
+    if not isinstance(g, jax.core.Tracer) and not (np.isfinite(g) and g > 0):
+        raise ValueError(f"quantize: global_scale must be positive and finite, got {float(g)}")
     return jnp.maximum(g.astype(jnp.float32), jnp.float32(MIN_GLOBAL_SCALE))
 
 
@@ -67,7 +75,7 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
     block_amax_bits = jnp.max(magnitude_bits, axis=2, keepdims=True)
     if g is None:
-        g = global_scale_of(jnp.max(block_amax_bits))
+        g = global_scale_of(jnp.max(block_amax_bits, initial=0))  # an empty x: as all-zero
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
     s = jnp.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))

@@ -152,7 +152,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
 def tensor_scale(x: jax.Array) -> jax.Array:
     """NVFP4's tensor scale ``g`` of ``x`` (:func:`jaxmx._src.quantize.nvfp4.global_scale_of` of its
     largest magnitude), as the XLA quantizer computes it."""
-    amax_bits = jnp.max(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF)
+    amax_bits = jnp.max(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, initial=0)
     return nvfp4.global_scale_of(amax_bits)
 
 

@@ -31,7 +31,7 @@ from jaxmx._src.core.blocks import (
 )
 from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
-from jaxmx._src.core.dtypes import check_float_dtype
+from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -289,7 +289,7 @@ def checked_arguments(x, fmt: str, axis: int, scale_mode: str | None, key):
     names the argument at fault."""
     f = get_format(fmt)
     scale_mode = check_scale_mode(scale_mode, f)
-    x = jnp.asarray(x)
+    x = as_float_array(x, "quantize: x")
     _check_input(x)
     axis = normalize_axis(axis, x.ndim)
     check_block_alignment(x, "jaxmx.quantize", "x", (ReducedAxis(axis, f"{axis}"),), f.block)

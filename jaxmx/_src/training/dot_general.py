@@ -49,6 +49,7 @@ from jaxmx._src.core.block_sharding import (
     named_sharding,
     shards,
 )
+from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, swap_last_axes
@@ -60,6 +61,7 @@ from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
+from jaxmx._src.training.higher_order import first_order_only
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
 RHS_COLWISE = "jaxmx_rhs_colwise"
@@ -100,6 +102,8 @@ def dot_general(
     check_recipe(recipe, "jaxmx.dot_general")
     lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
     rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
+    if key is not None:
+        key = check_key(key, "jaxmx.dot_general")
     key = scope.gradient_key(recipe.grad_rounding, key)
     dims = _Dims.of(lhs.shape, rhs.shape, dimension_numbers)
     out_dtype = check_float_dtype(
@@ -288,6 +292,7 @@ def _mx_bmm(static: _Static, x, w, key, tap):
 
 
 def _mx_bmm_fwd(static: _Static, x, w, key, tap):
+    x, w = first_order_only(_WHERE, x, w)  # its residuals and y are not differentiable again
     return _forward(static, x, w, key, training=True)
 
 
@@ -318,6 +323,7 @@ def _forward(static: _Static, x, w, key, training: bool):
 def _mx_bmm_bwd(static: _Static, residuals, g):
     r = static.recipe
     (x_saved, w_saved), key = residuals
+    g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:

@@ -36,6 +36,11 @@ def einsum(
     index repeated within one operand (a diagonal) is not supported.
     """
     check_recipe(recipe, "jaxmx.einsum")
+    if not isinstance(subscripts, str):
+        raise TypeError(
+            f"jaxmx.einsum: subscripts must be a string such as 'mk,nk->mn', got "
+            f"{type(subscripts).__name__}"
+        )
     lhs, rhs = as_float_array(lhs, "jaxmx.einsum: lhs"), as_float_array(rhs, "jaxmx.einsum: rhs")
     lhs_idx, rhs_idx, out_idx = _parse(subscripts, lhs.ndim, rhs.ndim)
     lhs, lhs_idx = _sum_unshared(lhs, lhs_idx, rhs_idx + out_idx)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
@@ -53,6 +54,7 @@ from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training import scope
 from jaxmx._src.training.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
+from jaxmx._src.training.higher_order import first_order_only
 
 
 def ragged_dot(
@@ -69,7 +71,8 @@ def ragged_dot(
     Args:
         lhs: ``[m, k]`` float32, bfloat16 or float16, the groups' rows one after the other.
         rhs: ``[g, k, n]``, one matrix per group.
-        group_sizes: ``[g]`` integers (may be traced), summing to at most ``m``.
+        group_sizes: ``[g]`` non-negative integers (may be traced: then unchecked), summing to
+            at most ``m``.
         preferred_element_type: the output dtype; default the promoted input dtype.
         recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"``.
         key: for ``recipe.grad_rounding == "stochastic"``, as in :func:`jaxmx.dot_general`.
@@ -113,10 +116,24 @@ def ragged_dot(
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.ragged_dot: preferred_element_type",
     )
+    if key is not None:
+        key = check_key(key, "jaxmx.ragged_dot")
+    _check_group_sizes(group_sizes)
     key = scope.gradient_key(recipe.grad_rounding, key)
     static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
     static, tap = _observed(static, lhs, rhs)
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
+
+
+def _check_group_sizes(group_sizes: jax.Array) -> None:
+    """A ValueError for concrete ``group_sizes`` with a negative entry; traced ones (under
+    ``jit``) cannot be checked and are taken as they are."""
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    if bool((group_sizes < 0).any()):
+        raise ValueError(
+            f"jaxmx.ragged_dot: group_sizes must be non-negative, got {group_sizes.tolist()}"
+        )
 
 
 class _Static(NamedTuple):
@@ -187,6 +204,7 @@ def _forward(static: _Static, lhs, rhs, group_sizes):
 def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
     r = static.recipe
     scope.require_gradient_key(r.grad_rounding, key)
+    lhs, rhs = first_order_only(_WHERE, lhs, rhs)  # the residuals and y: not differentiable again
     y = _forward(static, lhs, rhs, group_sizes)
     if r.residuals == "quantized":  # the 8-bit copies the two backward GEMMs read
         lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
@@ -215,6 +233,7 @@ def _named(q, name: str):
 def _ragged_bwd(static: _Static, residuals, g):
     r = static.recipe
     saved, group_sizes, key = residuals
+    g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
     if r.residuals == "quantized":
         lhs_col, rhs_by_n = saved
     else:
@@ -256,3 +275,5 @@ def _observed_gradient(static: _Static, g, g_by_group):
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
+
+_WHERE = "jaxmx.ragged_dot"

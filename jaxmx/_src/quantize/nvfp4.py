@@ -62,8 +62,10 @@ def checked_global_scale(g, f: Format) -> jax.Array | None:
     g = jnp.asarray(g)
     if g.shape != () or not jnp.issubdtype(g.dtype, jnp.floating):
         raise TypeError(f"quantize: global_scale must be a float scalar, got {g.dtype}{g.shape}")
-    if not isinstance(g, jax.core.Tracer) and not (np.isfinite(g) and g > 0):
-        raise ValueError(f"quantize: global_scale must be positive and finite, got {float(g)}")
+    if not isinstance(g, jax.core.Tracer):  # numpy: a jnp comparison would trace under a trace
+        value = np.asarray(g)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"quantize: global_scale must be positive and finite, got {value}")
     return jnp.maximum(g.astype(jnp.float32), jnp.float32(MIN_GLOBAL_SCALE))
 
 

@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -130,9 +131,10 @@ def _check_group_sizes(group_sizes: jax.Array) -> None:
     ``jit``) cannot be checked and are taken as they are."""
     if isinstance(group_sizes, jax.core.Tracer):
         return
-    if bool((group_sizes < 0).any()):
+    sizes = np.asarray(group_sizes)  # numpy: a jnp comparison would trace under remat
+    if (sizes < 0).any():
         raise ValueError(
-            f"jaxmx.ragged_dot: group_sizes must be non-negative, got {group_sizes.tolist()}"
+            f"jaxmx.ragged_dot: group_sizes must be non-negative, got {sizes.tolist()}"
         )
 
 

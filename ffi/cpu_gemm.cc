@@ -371,6 +371,9 @@ ffi::Error Fp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuff
 }  // namespace
 
 void UnswizzleScales(const uint8_t* buf, int64_t rows, int64_t cols, uint8_t* out) {
+  // An empty matrix has nothing to copy: without this, 2^62 rows of 0 columns (a 0-byte buffer,
+  // which the size check accepts) would loop over every row.
+  if (rows <= 0 || cols <= 0) return;
   const int64_t cols_padded = RoundUp(cols, kColTile);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = buf[SwizzledOffset(r, c, cols_padded)];

@@ -102,18 +102,46 @@ def test_quantize_equals_the_definition(fmt, mode, layout, dtype):
 
 @pytest.mark.parametrize("fmt", sorted(BLOCK_FORMATS))
 @pytest.mark.parametrize("tile", [None, (128, 128)])
-def test_dequantize_is_codes_times_scales(fmt, tile):
+@pytest.mark.parametrize("mode", ["fp32", "pow2"])
+def test_dequantize_is_codes_times_scales(fmt, tile, mode):
+    """Every value is the numpy float32 product code * scale, subnormal products included."""
     x = adversarial()
-    q = jaxmx.quantize(jnp.asarray(x), fmt, tile=tile)
-    codes, scales = reference_block_fp8(x, fmt, "fp32", -1, tile)
+    q = jaxmx.quantize(jnp.asarray(x), fmt, tile=tile, scale_mode=mode)
+    codes, scales = reference_block_fp8(x, fmt, mode, -1, tile)
     rows, cols = tile or (1, 128)
     expanded = np.repeat(np.repeat(scales, rows, -2), cols, -1)
     want = (codes.astype(np.float32) * expanded)[: x.shape[0], : x.shape[1]]
     got = np.asarray(jaxmx.dequantize(q))
-    normal = ~(np.abs(want) < 2.0**-126) | (want == 0)  # XLA:CPU flushes float32 subnormals
-    np.testing.assert_array_equal(got[normal], want[normal])
-    assert np.all((got[~normal] == want[~normal]) | (got[~normal] == 0))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.isnan(got[200, 140]) and np.isnan(got[210, 30])
+
+
+@pytest.mark.parametrize("fmt", sorted(BLOCK_FORMATS))
+@pytest.mark.parametrize("mode", ["fp32", "pow2"])
+def test_tiny_blocks_are_not_flushed(fmt, mode):
+    """Blocks whose scale (2^-127 under pow2) or values are float32 subnormals decode exactly,
+    in dequantize and fake_quantize alike, and the emulated GEMM sees them."""
+    x = np.float32(2.0 ** np.arange(-150, -110, dtype=np.float64)[:, None]) * np.ones(
+        (1, 128), np.float32
+    )
+    x[:, 1] *= np.float32(1.75)
+    codes, scales = reference_block_fp8(x, fmt, mode, -1, None)
+    want = codes.astype(np.float32) * np.repeat(scales, 128, -1)
+    assert np.any(want[:, 0] != 0) and np.any(np.abs(want[:, 0]) < 2.0**-126)
+    q = jaxmx.quantize(jnp.asarray(x), fmt, scale_mode=mode)
+    got = np.asarray(jaxmx.dequantize(q))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    fake = np.asarray(jaxmx.fake_quantize(jnp.asarray(x), fmt, scale_mode=mode))
+    np.testing.assert_array_equal(fake.view(np.uint32), want.view(np.uint32))
+
+
+def test_pow2_tiny_block_gemm_matches_numpy():
+    """2^-120 (scale 2^-127) times 2^100, over K = 128: 2^-13 exactly, as the CPU handler has."""
+    a = jaxmx.quantize(jnp.full((2, 128), 2.0**-120), "fp8_e4m3_block", scale_mode="pow2")
+    b = jaxmx.quantize(jnp.full((3, 128), 2.0**100), "fp8_e4m3_block", scale_mode="pow2")
+    assert float(jaxmx.dequantize(a)[0, 0]) == 2.0**-120
+    want = np.full((2, 3), np.float32(128) * np.float32(2.0**-120) * np.float32(2.0**100))
+    np.testing.assert_array_equal(np.asarray(jaxmx.matmul(a, b, out_dtype=jnp.float32)), want)
 
 
 @pytest.mark.parametrize(

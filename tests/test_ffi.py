@@ -305,6 +305,24 @@ def test_cpp_unswizzle_rejects_wrong_size():
         _ffi.unswizzle_scales(np.zeros(100, np.uint8), 2, 3)
 
 
+EMPTY_UNSWIZZLES = """
+import numpy as np
+from jaxmx import _ffi
+for rows, cols in ((2**62, 0), (0, 2**62 - 4), (0, 0)):
+    print(_ffi.unswizzle_scales(np.zeros(0, np.uint8), rows, cols).shape)
+"""
+
+
+def test_cpp_unswizzle_of_an_empty_matrix_returns_at_once():
+    """2^62 rows of no columns fit a 0-byte buffer: an empty result, not a loop over the rows
+    (in a subprocess, so that a hang fails the test instead of stalling the suite)."""
+    run = subprocess.run(
+        [sys.executable, "-c", EMPTY_UNSWIZZLES], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:3] == [f"({2**62}, 0)", f"(0, {2**62 - 4})", "(0, 0)"]
+
+
 # --- errors: Python side ------------------------------------------------------------------------
 
 

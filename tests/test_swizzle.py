@@ -63,3 +63,14 @@ def test_swizzle_errors():
         jaxmx.unswizzle_scales(jnp.zeros((100,), jnp.uint8), 4, 4)
     with pytest.raises(TypeError, match="dtype"):
         jaxmx.unswizzle_scales(jnp.zeros((512,), jnp.uint8), 4, 4, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("rows, cols, name", [(-3, 0, "rows"), (-128, 4, "rows"), (2, -4, "cols")])
+def test_unswizzle_rejects_negative_sizes(rows, cols, name):
+    """A negative size is refused by name, even where its padded byte count matches the buffer."""
+    with pytest.raises(ValueError, match=f"unswizzle_scales: {name} must be non-negative"):
+        jaxmx.unswizzle_scales(jnp.zeros((0,), jnp.uint8), rows, cols)
+
+
+def test_unswizzle_of_an_empty_matrix():
+    assert jaxmx.unswizzle_scales(jnp.zeros((0,), jnp.uint8), 2**62, 0).shape == (2**62, 0)

@@ -108,15 +108,23 @@ def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 
     Where ``/`` alone is not: XLA turns a division by a broadcast value into a multiplication
     by its rounded reciprocal (one ulp off), so the divisor is materialised at the quotient's
-    shape behind an optimization barrier; and inside a kernel traced under :func:`division`
-    (the Pallas quantizers compiled for a GPU, whose Triton lowering divides approximately)
-    the given function divides instead.
+    shape (batched under ``jax.vmap`` as the dividend is) behind an optimization barrier; and
+    inside a kernel traced under :func:`division` (the Pallas quantizers compiled for a GPU,
+    whose Triton lowering divides approximately) the given function divides instead.
     """
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     override = _division.get()
     if override is not None:
         return override(a, b)
-    return a / lax.optimization_barrier(b)
+    return a / lax.optimization_barrier(_batched_like(b, a))
+
+
+def _batched_like(b: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
+    """``b`` unchanged, but computed from ``a`` (same shape), so that under ``jax.vmap`` it is
+    batched wherever ``a`` is: an unbatched divisor would be broadcast only after
+    :func:`divide`'s barrier, where XLA again multiplies by its reciprocal. The bits of ``a``
+    are masked out (``& 0``), so the values are ``b``'s, NaN and infinities included."""
+    return from_bits(to_bits(b) | (to_bits(a) & 0))
 
 
 @contextlib.contextmanager

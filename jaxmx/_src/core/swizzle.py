@@ -52,6 +52,9 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
     if jnp.dtype(dtype) not in SWIZZLED_DTYPES:
         names = ", ".join(d.name for d in SWIZZLED_DTYPES)
         raise TypeError(f"unswizzle_scales: dtype must be one of {names}, got {dtype}")
+    for name, n in (("rows", rows), ("cols", cols)):
+        if n < 0:
+            raise ValueError(f"unswizzle_scales: {name} must be non-negative, got {n}")
     b = bits.as_bytes(buf, "a swizzled scale buffer", SWIZZLED_DTYPES)
     rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:

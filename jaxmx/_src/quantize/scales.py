@@ -155,7 +155,17 @@ class _Float32Rule:
         return codes
 
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
-        return values * scale  # a float32 product
+        """``values * scale`` rounded as IEEE float32, without flushing subnormals.
+
+        A subnormal scale (``2^-127`` under ``pow2``) is scaled up by ``2^64`` and the element
+        down by as much (both exact: elements are zero or at least ``2^-16``), then
+        :func:`~jaxmx._src.core.bits.multiply_exact` rounds the product, subnormal or not; normal
+        products are the plain float32 product."""
+        scale = jnp.broadcast_to(scale, values.shape)
+        boost = jnp.where((bits.to_bits(scale) & 0x7F800000) == 0, 64, 0)
+        return bits.multiply_exact(
+            bits.scale_by_pow2(values, -boost), bits.scale_by_pow2(scale, boost)
+        )
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         return out

@@ -37,7 +37,7 @@ def dot_product_attention(
     *,
     scale: float | None = None,
     is_causal: bool = False,
-    recipe: Recipe = MXFP8,
+    recipe: Recipe | None = MXFP8,
 ) -> jax.Array:
     """``softmax(scale * Q K^T + bias, masked) V`` with both products in MX formats.
 
@@ -48,12 +48,13 @@ def dot_product_attention(
         mask: boolean, broadcastable to ``[B, N, T, S]``; False entries are masked out.
         scale: the logits' scale; default ``1 / sqrt(H)``.
         is_causal: also mask out keys after each query (``tril`` over ``[T, S]``).
-        recipe: the :class:`jaxmx.Recipe` of both products.
+        recipe: the :class:`jaxmx.Recipe` of both products, or ``None``: both in plain high
+            precision.
 
     Returns:
         ``[B, T, N, H]`` (or ``[T, N, H]``) in ``query``'s dtype.
     """
-    check_recipe(recipe, "jaxmx.dot_product_attention")
+    check_recipe(recipe, "jaxmx.dot_product_attention", optional=True)
     query = as_float_array(query, "dot_product_attention: query")
     key = as_float_array(key, "dot_product_attention: key")
     value = as_float_array(value, "dot_product_attention: value")

@@ -78,7 +78,7 @@ def dot_general(
     precision=None,
     preferred_element_type=None,
     *,
-    recipe: Recipe = MXFP8,
+    recipe: Recipe | None = MXFP8,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """``lax.dot_general`` with MX-quantized forward, dgrad and wgrad GEMMs.
@@ -90,7 +90,8 @@ def dot_general(
         precision: accepted for signature compatibility and ignored: the recipe defines the
             precision of the products (exact MX products, float32 accumulation).
         preferred_element_type: the output dtype; default the promoted input dtype.
-        recipe: a :class:`jaxmx.Recipe`.
+        recipe: a :class:`jaxmx.Recipe`, or ``None``: plain high precision (``lax.dot_general``
+            with ``precision``; ``key`` ignored).
         key: a PRNG key for ``recipe.grad_rounding == "stochastic"`` (pass a fresh key each
             step, e.g. ``jax.random.fold_in(key, step)``), else taken from an enclosing
             :func:`jaxmx.stochastic_rounding` block; ignored with ``"nearest"``. The gradient's
@@ -99,9 +100,11 @@ def dot_general(
     Returns:
         An array shaped like ``lax.dot_general``'s result: batch dims, lhs free dims, rhs free dims.
     """
-    check_recipe(recipe, "jaxmx.dot_general")
+    check_recipe(recipe, "jaxmx.dot_general", optional=True)
     lhs = as_float_array(lhs, "jaxmx.dot_general: lhs")
     rhs = as_float_array(rhs, "jaxmx.dot_general: rhs")
+    if recipe is None:  # plain high precision
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     if key is not None:
         key = check_key(key, "jaxmx.dot_general")
     key = scope.gradient_key(recipe.grad_rounding, key)

@@ -24,7 +24,7 @@ def einsum(
     rhs: jax.Array,
     *,
     preferred_element_type=None,
-    recipe: Recipe = MXFP8,
+    recipe: Recipe | None = MXFP8,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """Evaluates a two-operand einsum with MX-quantized GEMMs (see :func:`jaxmx.dot_general`).
@@ -35,7 +35,7 @@ def einsum(
     from the right, in every operand that has it (sizes must match: no size-1 broadcasting). An
     index repeated within one operand (a diagonal) is not supported.
     """
-    check_recipe(recipe, "jaxmx.einsum")
+    check_recipe(recipe, "jaxmx.einsum", optional=True)  # None: plain high precision
     if not isinstance(subscripts, str):
         raise TypeError(
             f"jaxmx.einsum: subscripts must be a string such as 'mk,nk->mn', got "

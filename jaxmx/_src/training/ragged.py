@@ -64,7 +64,7 @@ def ragged_dot(
     group_sizes: jax.Array,
     *,
     preferred_element_type=None,
-    recipe: Recipe = MXFP8,
+    recipe: Recipe | None = MXFP8,
     key: jax.Array | None = None,
 ) -> jax.Array:
     """``jax.lax.ragged_dot`` with MX-quantized forward, dgrad and wgrad GEMMs.
@@ -75,13 +75,45 @@ def ragged_dot(
         group_sizes: ``[g]`` non-negative integers (may be traced: then unchecked), summing to
             at most ``m``.
         preferred_element_type: the output dtype; default the promoted input dtype.
-        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"``.
+        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"``, or
+            ``None``: plain high precision (``lax.ragged_dot``, ``key`` ignored).
         key: for ``recipe.grad_rounding == "stochastic"``, as in :func:`jaxmx.dot_general`.
 
     Returns:
         ``[m, n]``: row ``i`` is ``lhs[i] @ rhs[group(i)]``, zero past the last group.
     """
-    check_recipe(recipe, "jaxmx.ragged_dot")
+    if check_recipe(recipe, "jaxmx.ragged_dot", optional=True) is not None:
+        _check_grouped_recipe(recipe)
+    lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
+    rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
+    group_sizes = jnp.asarray(group_sizes)
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+        raise ValueError(
+            "jaxmx.ragged_dot: lhs must be [m, k] and rhs [g, k, n] with the same k, got lhs "
+            f"{lhs.shape} and rhs {rhs.shape}"
+        )
+    if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(
+            f"jaxmx.ragged_dot: group_sizes must be [g] = [{rhs.shape[0]}] integers, got "
+            f"{group_sizes.dtype}{list(group_sizes.shape)}"
+        )
+    out_dtype = check_float_dtype(
+        preferred_element_type or jnp.result_type(lhs, rhs),
+        "jaxmx.ragged_dot: preferred_element_type",
+    )
+    _check_group_sizes(group_sizes)
+    if recipe is None:  # plain high precision
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    if key is not None:
+        key = check_key(key, "jaxmx.ragged_dot")
+    key = scope.gradient_key(recipe.grad_rounding, key)
+    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
+    static, tap = _observed(static, lhs, rhs)
+    return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
+
+
+def _check_grouped_recipe(recipe: Recipe) -> None:
+    """What a grouped GEMM cannot take of a recipe, refused by name."""
     # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or the
     # refusal of backend="ffi"), which _ragged's decode then lax.ragged_dot implement
     kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
@@ -100,30 +132,6 @@ def ragged_dot(
             "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
             "available for grouped GEMMs; use a recipe without it"
         )
-    lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
-    rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
-    group_sizes = jnp.asarray(group_sizes)
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(
-            "jaxmx.ragged_dot: lhs must be [m, k] and rhs [g, k, n] with the same k, got lhs "
-            f"{lhs.shape} and rhs {rhs.shape}"
-        )
-    if group_sizes.shape != rhs.shape[:1] or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(
-            f"jaxmx.ragged_dot: group_sizes must be [g] = [{rhs.shape[0]}] integers, got "
-            f"{group_sizes.dtype}{list(group_sizes.shape)}"
-        )
-    out_dtype = check_float_dtype(
-        preferred_element_type or jnp.result_type(lhs, rhs),
-        "jaxmx.ragged_dot: preferred_element_type",
-    )
-    if key is not None:
-        key = check_key(key, "jaxmx.ragged_dot")
-    _check_group_sizes(group_sizes)
-    key = scope.gradient_key(recipe.grad_rounding, key)
-    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
-    static, tap = _observed(static, lhs, rhs)
-    return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
 def _check_group_sizes(group_sizes: jax.Array) -> None:

@@ -52,7 +52,7 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
 
     ``a`` is [..., M, K] or [..., K, M] and ``b`` [..., N, K] or [..., K, N], each blocked along
     K; they are contracted in their own layouts (no transposes). Either may be a
-    :class:`~jaxmx._src.quantize.fake.GridArray` (element values instead of codes: the same
+    :class:`~jaxmx._src.core.grid_array.GridArray` (element values instead of codes: the same
     result, bit for bit, without decoding codes). Jitted, so eager callers run one compiled
     kernel.
     """

@@ -33,10 +33,10 @@ from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize.codec import decode_elements, scale_back
+from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import checked_arguments, dequantize, quantize
 from jaxmx._src.quantize.rounding import uniform_noise
-from jaxmx._src.quantize.scales import scaled_blocks
+from jaxmx._src.quantize.scales import rule_of
 
 
 def fake_quantize(
@@ -72,9 +72,8 @@ def _values(g: GridArray, *, dtype) -> jax.Array:
     """The values of ``g`` in ``dtype``, unpadded: one compiled program per shape."""
     f, axis = g.format, g.axis
     xb = g.data.reshape(blocked_shape(g.data.shape, axis, f.block))
-    byte = bits.as_bytes(g.scale, "scales", bits.SCALE_DTYPES).astype(jnp.int32)
-    byte = byte.reshape(blocked_shape(g.scale.shape, axis, 1))
-    out = scale_back(xb, byte).reshape(g.data.shape)
+    scale = g.scale.reshape(blocked_shape(g.scale.shape, axis, 1))
+    out = rule_of(f).decoded(xb, scale).reshape(g.data.shape)
     return lax.slice_in_dim(out, 0, g.shape[axis], axis=axis).astype(dtype)
 
 
@@ -97,9 +96,9 @@ def quantize_to_grid(
 @functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode"))
 def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> GridArray:
     """:func:`quantize_to_grid` of checked arguments: one compiled program per shape."""
-    xb = blocked(x, axis, f.block)
-    byte, values = scaled_blocks(xb, f, scale_mode, uniform_noise(key, xb.shape))
-    scale = lax.bitcast_convert_type(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    rule, xb = rule_of(f), blocked(x, axis, f.block)
+    codes, values, _ = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape))
+    scale = rule.scales(codes)
     on_grid = bits.round_to_grid(values, f.mbits, f.emin)
     return GridArray(
         data=on_grid.reshape(padded_shape(x.shape, axis, f.block)),

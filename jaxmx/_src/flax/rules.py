@@ -278,7 +278,7 @@ class Conversion:
 
     recipe: Recipe | None  # the recipe of the converted layers
     include: Rule = None  # None: every layer; else the candidates
-    exclude: Rule = ()  # never converted, besides the defaults
+    exclude: Rule = ()  # never converted, besides the defaults (None: as ())
     exclude_defaults: bool = True  # apply DEFAULT_EXCLUDE and the output-head rule
     attention: bool = False  # also convert the attention products of attention layers
     keep: Rule = None  # converted layers that get keep_recipe
@@ -300,6 +300,8 @@ class Conversion:
                 )
         for name in ("include", "exclude", "keep"):
             object.__setattr__(self, name, _normalized(getattr(self, name), name))
+        if self.exclude is None:
+            object.__setattr__(self, "exclude", ())
 
     def plan(self, layers: Sequence[Layer], *, in_call_order: bool = True) -> ConversionReport:
         """The report of this conversion on a model made of ``layers`` (``in_call_order``: as

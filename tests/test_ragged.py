@@ -120,6 +120,7 @@ def test_the_docs_moe_layer_trains():
     scope: dict = {}
     exec(compile(block, str(doc), "exec"), scope)
     moe, x, grads = scope["moe"], scope["x"], scope["grads"]
+    assert moe.ragged_dot == jaxmx.flax.MXRaggedDot()  # the module holds the hook
     assert np.isfinite(float(scope["loss"]))
     for name in ("w_in", "w_out", "router"):
         leaves = jax.tree.leaves(getattr(grads, name))

@@ -237,8 +237,15 @@ def test_telemetry_records_its_four_legs():
 PRESETS = [name for name in jaxmx.recipes.__all__ if name != "Recipe"]
 MOE_SIZES = np.array([40, 0, 20])  # m = 64: one empty group, 4 rows past the last group
 MOE_M, MOE_K, MOE_N = 64, 64, 32
-# relative Frobenius error to lax.ragged_dot's forward and gradients, per element format
-TOLERANCE = {"mxfp8_e4m3": 0.08, "fp8_e4m3_block": 0.08, "mxfp4": 0.5, "nvfp4": 0.5}
+# relative Frobenius error to lax.ragged_dot's forward and gradients, per element format (about
+# 0.04 measured for E4M3, 0.06 for E5M2 gradients, 0.15 to 0.21 for the 4-bit presets)
+TOLERANCE = {
+    "mxfp8_e4m3": 0.05,
+    "mxfp8_e5m2": 0.08,
+    "fp8_e4m3_block": 0.05,
+    "mxfp4": 0.3,
+    "nvfp4": 0.25,
+}
 
 
 def moe_inputs(seed=0):
@@ -259,10 +266,10 @@ def test_every_preset_trains_through_ragged_dot(name):
     want_out, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs, rhs)
     want = (want_out, *pullback(g))
     got = mx_vjp(lhs, rhs, g, MOE_SIZES, recipe, key)
-    tol = TOLERANCE[recipe.fwd]
+    tol = max(TOLERANCE[recipe.fwd], TOLERANCE[recipe.grad])
     for what, a, b in zip(("out", "dlhs", "drhs"), got, want, strict=True):
         err = np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b))
-        assert err < tol, (what, err)
+        assert 1e-3 < err < tol, (what, err)  # quantized, to the format's accuracy
     assert np.all(np.asarray(got[0])[int(MOE_SIZES.sum()) :] == 0)  # rows past the last group
     assert np.all(np.asarray(got[2])[1] == 0)  # the empty group's weight gradient
 
@@ -304,34 +311,57 @@ def hadamard_per_group(x, signs):
     return np.einsum("ij,bjc->bic", t, blocks).reshape(x.shape)
 
 
-def test_mxfp4_tiles_and_hadamard_transform_are_the_definition():
-    """MXFP4 (rounding to nearest, so deterministic) against numpy: the forward and dgrad on the
-    32x32-tiled weight of each expert, the wgrad on each group's tokens zero-padded to whole
-    32-blocks and Hadamard-transformed there (the sign vector of jaxmx.rht's definition)."""
-    recipe = jaxmx.recipes.MXFP4.replace(grad_rounding="nearest")
+def rows_mxfp4(x, axis):
+    """x quantized to MXFP4 (rceil) along ``axis`` and decoded, by tests/reference.py."""
+    x = np.asarray(x, np.float32)
+    data, scale = ref.quantize(x, "mxfp4", "rceil", axis=axis)
+    return ref.dequantize(data, scale, axis, x.shape)
+
+
+def rows_nvfp4(x, axis):
+    """x quantized to NVFP4 along ``axis`` (one tensor scale for all of x) and decoded."""
+    x = np.asarray(x, np.float32)
+    return ref.nvfp4(x, axis=axis)[3][tuple(slice(0, n) for n in x.shape)]
+
+
+# preset -> (rows quantizer, the tiled weight [g, k, n] decoded, the block along the tokens)
+DEFINITIONS = {
+    "MXFP4": (rows_mxfp4, lambda w: np.stack([qdq_tiled(e, "mxfp4") for e in w]), 32),
+    "NVFP4": (rows_nvfp4, lambda w: ref.nvfp4(np.asarray(w), tile=(16, 16))[3], 16),
+}
+
+
+@pytest.mark.parametrize("name", DEFINITIONS)
+def test_tiles_and_hadamard_transform_are_the_definition(name):
+    """The 4-bit presets (rounding to nearest, so deterministic) against numpy: the forward and
+    dgrad on each expert's tiled weight (NVFP4: one tensor scale over all experts); the wgrad on
+    the tokens laid out by group (each group from a multiple of the block, zero-padded), Hadamard-
+    transformed in 16-row blocks (the sign vector of jaxmx.rht's definition), then quantized
+    along the tokens (NVFP4: one tensor scale over the whole layout)."""
+    rows_q, tiled_q, block = DEFINITIONS[name]
+    recipe = getattr(jaxmx.recipes, name).replace(grad_rounding="nearest")
     lhs, rhs, g = moe_inputs(1)
     got = mx_vjp(lhs, rhs, g, MOE_SIZES, recipe)
     signs = np.asarray(jax.random.rademacher(jax.random.key(recipe.rht_seed), (16,), jnp.float32))
+    padded = -(-MOE_SIZES // block) * block
+    starts = np.cumsum(padded) - padded
+    layout_rows = -(-(MOE_M + (block - 1) * len(MOE_SIZES)) // block) * block
 
-    def qdq4(x, axis):
-        x = np.asarray(x, np.float32)
-        data, scale = ref.quantize(x, "mxfp4", "rceil", axis=axis)
-        return ref.dequantize(data, scale, axis, x.shape)
+    def by_group(x):  # [m, c] -> [layout_rows, c], Hadamard-transformed
+        out = np.zeros((layout_rows, x.shape[1]))
+        for start, (a, b) in zip(starts, groups(MOE_SIZES), strict=True):
+            out[start : start + b - a] = x[a:b]
+        return rows_q(hadamard_per_group(out, signs).astype(np.float32), 0)
 
+    w = tiled_q(rhs)
+    lq, gq = rows_q(lhs, 1), rows_q(g, 1)
+    xt, gt = by_group(np.asarray(lhs)), by_group(np.asarray(g))
     out, dlhs = np.zeros((MOE_M, MOE_N)), np.zeros((MOE_M, MOE_K))
     drhs = np.zeros((len(MOE_SIZES), MOE_K, MOE_N))
-    lq, gq = qdq4(lhs, 1), qdq4(g, 1)
-    lhs_np, g_np = np.asarray(lhs), np.asarray(g)
     for j, (a, b) in enumerate(groups(MOE_SIZES)):
-        w = qdq_tiled(rhs[j], "mxfp4")
-        out[a:b], dlhs[a:b] = lq[a:b] @ w, gq[a:b] @ w.T
-        rows = -(-(b - a) // 32) * 32  # the group's tokens padded to whole 32-blocks
-        if rows:
-            x_t, g_t = (
-                hadamard_per_group(np.pad(x[a:b], ((0, rows - (b - a)), (0, 0))), signs)
-                for x in (lhs_np, g_np)
-            )
-            drhs[j] = qdq4(x_t.astype(np.float32), 0).T @ qdq4(g_t.astype(np.float32), 0)
+        out[a:b], dlhs[a:b] = lq[a:b] @ w[j], gq[a:b] @ w[j].T
+        rows = slice(starts[j], starts[j] + padded[j])
+        drhs[j] = xt[rows].T @ gt[rows]
     for what, a, b in zip(("out", "dlhs", "drhs"), got, (out, dlhs, drhs), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=what)
 

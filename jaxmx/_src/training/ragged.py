@@ -18,8 +18,9 @@ MX formats) and zero-padded to whole blocks (a static bound of ``m + 31 g`` rows
 may be traced), so a block never mixes two groups whatever the group sizes. The GEMMs are
 emulated (exact decode, float32 accumulation); there is no native grouped GEMM yet.
 
-Every recipe field has its grouped form (:func:`grouped_recipe` says what runs):
-``Recipe.weight_tile`` tiles each expert's ``[k, n]`` matrix (a tile never spans two experts),
+Weight tiles and the Hadamard transform hold exactly in a grouped GEMM, so every preset runs
+as it is (:func:`grouped_recipe` returns the recipe that runs): ``Recipe.weight_tile`` tiles
+each expert's ``[k, n]`` matrix (a tile never spans two experts),
 and one tiled quantization of ``rhs`` serves the forward and dgrad GEMMs; ``Recipe.rht``
 transforms the two wgrad operands along the tokens of the layout above, whose groups start at
 multiples of the transform's 16 rows, so each 16x16 Hadamard block lies within one group and
@@ -28,13 +29,13 @@ each group's product is unchanged in exact arithmetic. An NVFP4 tensor scale is 
 
 The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`` saves the two
 8-bit columnwise copies (``lhs`` laid out by group along its tokens, named
-:data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, :data:`jaxmx.RHS_COLWISE`), ``"high_precision"``
-saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and quantizes them in the
-backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its four legs (default
+:data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, or its one tiled copy, :data:`jaxmx.RHS_COLWISE`),
+``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
+quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its four legs (default
 name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and ``backend="ffi"``
-are refused by name. Under ``jax.vmap`` every operand is batched (``lax.ragged_dot`` batches
-only when all three are); forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) is refused
-as for :func:`jaxmx.dot_general`.
+are refused by name. ``jax.vmap`` may map any of the operands (``lax.ragged_dot``'s own
+batching rule takes only all three mapped); forward-mode differentiation (``jax.jvp``,
+``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for :func:`jaxmx.dot_general`.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -313,8 +314,8 @@ def _ragged_bwd(static: _Static, residuals, g):
 
 def _observed_gradient(static: _Static, g, g_by_group):
     """The tap's cotangent: the observer's record of the output gradient as the dgrad GEMM
-    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group,
-    :func:`group_padded`, along each group's tokens); ``None`` when nothing observes."""
+    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group and
+    transformed, :func:`_by_group`, along each group's tokens); ``None`` when nothing observes."""
     if static.observe_grad is None:
         return None
     r = static.recipe

@@ -31,11 +31,12 @@ The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`
 8-bit columnwise copies (``lhs`` laid out by group along its tokens, named
 :data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, or its one tiled copy, :data:`jaxmx.RHS_COLWISE`),
 ``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
-quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its four legs (default
-name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and ``backend="ffi"``
-are refused by name. ``jax.vmap`` may map any of the operands (``lax.ragged_dot``'s own
-batching rule takes only all three mapped); forward-mode differentiation (``jax.jvp``,
-``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for :func:`jaxmx.dot_general`.
+quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its
+four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and
+``backend="ffi"`` are refused by name. ``jax.vmap`` may map any of the operands
+(``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
+differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
+:func:`jaxmx.dot_general`.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx

@@ -11,7 +11,11 @@ nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 linen_module = pytest.importorskip("flax.linen.module")
 
-from jaxmx._src.flax.internals import linen_module_path, nnx_dot_general_cls  # noqa: E402
+from jaxmx._src.flax.internals import (  # noqa: E402
+    linen_module_path,
+    linen_rng_streams,
+    nnx_dot_general_cls,
+)
 
 
 def test_linen_call_stack_is_readable():
@@ -43,6 +47,24 @@ def test_linen_call_stack_is_readable():
         "flax.linen.module._context or Module.scope.path changed meaning"
     )
     assert linen_module_path() is None  # outside any call
+
+
+def test_linen_rng_stream_names_are_readable():
+    seen = []
+
+    class Probe(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            seen.append(linen_rng_streams(self))
+            return nn.Dropout(0.5, deterministic=False)(x)
+
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    variables = Probe().init(rngs, jnp.ones(2))
+    Probe().apply(variables, jnp.ones(2), rngs={"dropout": jax.random.key(2)})
+    assert seen == [("params", "dropout"), ("dropout",)], (
+        f"linen_rng_streams read {seen}: Module.scope.rngs is no longer a dict keyed by the "
+        "stream names the call was given (linen quantize_model's abstract pass needs them)"
+    )
 
 
 def test_nnx_dot_general_cls_is_a_linear_general_attribute():

@@ -214,9 +214,11 @@ def test_quantize_model_converts_an_unmodified_transformer_lm():
     # include / exclude rules, on module paths
     only_mlp = mxl.quantize_model(model, MX, include="*mlp*")
     assert count_jaxmx_gemms(lambda p: only_mlp.apply(p, tokens), params) == 2 * 2
-    everything = mxl.quantize_model(model, MX, exclude=())
+    everything = mxl.quantize_model(model, MX, exclude_defaults=False)
     assert count_jaxmx_gemms(lambda p: everything.apply(p, tokens), params) == 2 * 6 + 1
-    with pytest.raises(ValueError, match="include pattern 'decoder' matches no Dense"):
+    with pytest.raises(
+        ValueError, match=r"include pattern\(s\) \['decoder'\] match no convertible"
+    ):
         mxl.quantize_model(model, MX, include=["*mlp*", "decoder"]).apply(params, tokens)
     # attention=True: the two attention products of each block too
     with_attention = mxl.quantize_model(model, MX, attention=True)
@@ -367,7 +369,7 @@ def test_quantize_model_keep_errors():
         r"\(block_0 \.\. block_2\)",
     ):
         mxl.quantize_model(Stack(), MX, keep_last=4).apply(params, x)
-    with pytest.raises(ValueError, match="keep pattern 'block_3' matches no converted layer"):
+    with pytest.raises(ValueError, match=r"keep pattern\(s\) \['block_3'\] match no converted"):
         mxl.quantize_model(Stack(), MX, keep="block_3").apply(params, x)
     # TransformerLM's layers are named block_0_attn, block_0_mlp_up, ...: no numbered blocks
     tokens = lm_batch()[:, :-1]

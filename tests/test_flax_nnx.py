@@ -121,9 +121,10 @@ def tokens():
 def test_quantize_model_default_keeps_embed_and_head(tokens):
     model, ref = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
     state = nnx.state(model)
-    converted = mxnnx.quantize_model(model, MX)
-    assert list(converted) == ["blocks/0", "blocks/1", "proj"]
-    assert converted["proj"] is model.proj and model.blocks[0].recipe == MX
+    report = mxnnx.quantize_model(model, MX)
+    assert list(report.converted) == ["blocks/0", "blocks/1", "proj"]
+    assert list(report) == ["blocks/0", "blocks/1", "embed", "lm_head", "proj"]
+    assert report["proj"].layer is model.proj and report["blocks/0"].recipe == MX
     assert isinstance(model.lm_head.dot_general, type(jax.lax.dot_general))  # untouched
     jax.tree.map(np.testing.assert_array_equal, nnx.state(model), state)  # params untouched
     y, y_ref = model(tokens), ref(tokens)
@@ -134,20 +135,21 @@ def test_quantize_model_default_keeps_embed_and_head(tokens):
     nnx.update(lin, nnx.state(model.blocks[0]))
     np.testing.assert_array_equal(model.blocks[0](h), lin(h))
     # recipe=None converts back to high precision, exactly.
-    assert len(mxnnx.quantize_model(model, None)) == 3
+    assert len(mxnnx.quantize_model(model, None).converted) == 3
     np.testing.assert_array_equal(model(tokens), y_ref)
 
 
 def test_quantize_model_include_exclude_rules():
     def paths(**kw):
-        return sorted(mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, **kw))
+        return sorted(mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, **kw).converted)
 
-    assert paths(exclude=()) == ["blocks/0", "blocks/1", "lm_head", "proj"]
+    assert paths(exclude_defaults=False) == ["blocks/0", "blocks/1", "lm_head", "proj"]
     assert paths(include="blocks/*") == ["blocks/0", "blocks/1"]
-    assert paths(include=["proj", "lm_head"]) == ["proj"]  # the default exclude still applies
-    assert paths(include=["proj", "lm_head"], exclude=None) == ["lm_head", "proj"]
-    # A pattern matches a path component or the whole path; exclude= replaces the default.
-    assert paths(exclude=["1", "proj"]) == ["blocks/0", "lm_head"]
+    assert paths(include=["proj", "*head"]) == ["proj"]  # a wildcard: the default still applies
+    assert paths(include=["proj", "lm_head"]) == ["lm_head", "proj"]  # naming it wins
+    # A pattern matches a run of path components; exclude= adds to the defaults.
+    assert paths(exclude=["1", "proj"]) == ["blocks/0"]
+    assert paths(exclude=["1", "proj"], exclude_defaults=False) == ["blocks/0", "lm_head"]
     assert paths(include=lambda path, layer: isinstance(layer, nnx.Einsum)) == ["proj"]
     assert paths(exclude=lambda path, layer: layer.kernel.shape[1] != 64) == [
         "blocks/0",
@@ -155,6 +157,9 @@ def test_quantize_model_include_exclude_rules():
         "proj",
     ]
     assert mxnnx.quantize_model(Net(nnx.Rngs(0)))["proj"].recipe == MX  # default recipe
+    model = Net(nnx.Rngs(0))
+    mxnnx.quantize_model(model)
+    assert model.proj.einsum_op == jaxmx.flax.MXEinsum(MX, "proj")
 
 
 def train_losses(model, tokens, steps: int, lr: float) -> np.ndarray:
@@ -200,7 +205,7 @@ def test_checkpoint_roundtrip(tokens, tmp_path):
     restored = nnx.merge(graphdef, ckpt.restore(tmp_path / "ckpt", abstract))
     jax.tree.map(np.testing.assert_array_equal, nnx.state(restored), nnx.state(model))
     np.testing.assert_array_equal(restored(tokens), model(tokens))
-    assert restored.blocks[0].recipe == MX
+    assert restored.blocks[0].dot_general.recipe == MX
 
 
 def test_stochastic_gradient_rounding_takes_keys_from_the_block():
@@ -237,7 +242,7 @@ class AttentionBlock(nnx.Module):
 
 def test_quantize_model_converts_attention_projections_and_linear_general(x):
     model, ref = AttentionBlock(nnx.Rngs(0)), AttentionBlock(nnx.Rngs(0))
-    converted = mxnnx.quantize_model(model, MX)
+    converted = mxnnx.quantize_model(model, MX).converted
     assert sorted(converted) == [
         "attn/key",
         "attn/out",
@@ -245,7 +250,8 @@ def test_quantize_model_converts_attention_projections_and_linear_general(x):
         "attn/value",
         "general",
     ]
-    for layer in converted.values():
+    for plan in converted.values():
+        layer = plan.layer
         assert isinstance(layer.dot_general, jaxmx.flax.MXDotGeneral)
         assert layer.dot_general.recipe == MX
     y, y_ref = model(x), ref(x)
@@ -259,7 +265,7 @@ def test_quantize_model_converts_attention_projections_and_linear_general(x):
 
 def test_quantize_model_attention_products(x):
     model, ref = AttentionBlock(nnx.Rngs(0)), AttentionBlock(nnx.Rngs(0))
-    converted = mxnnx.quantize_model(model, MX, attention=True)
+    converted = mxnnx.quantize_model(model, MX, attention=True).converted
     assert "attn" in converted and isinstance(model.attn.attention_fn, jaxmx.flax.MXAttention)
     assert len(converted) == 6
     graph = str(jax.make_jaxpr(lambda x: model(x))(x))
@@ -268,7 +274,9 @@ def test_quantize_model_attention_products(x):
 
 
 def test_quantize_model_include_that_matches_nothing_raises():
-    with pytest.raises(ValueError, match=r"include pattern '\*query\*' matches no .*'blocks/0'"):
+    with pytest.raises(
+        ValueError, match=r"include pattern\(s\) \['\*query\*'\] match no .*'blocks/0'"
+    ):
         mxnnx.quantize_model(Net(nnx.Rngs(0)), MX, include=["blocks/*", "*query*"])
 
 
@@ -357,7 +365,7 @@ def _computes(layer, stock, x) -> str:
 def _behaviour(model, converted, x):
     stock = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(Stacks(nnx.Rngs(0)))}
     assert _computes(model.head, stock["head"], x) == "plain"  # excluded: untouched
-    return {path: _computes(layer, stock[path], x) for path, layer in converted.items()}
+    return {path: _computes(p.layer, stock[path], x) for path, p in converted.converted.items()}
 
 
 def test_quantize_model_keep_last_keeps_the_final_blocks_of_each_stack():
@@ -376,8 +384,8 @@ def test_quantize_model_keep_last_keeps_the_final_blocks_of_each_stack():
         "proj": "e4m3",  # outside the numbered blocks: keep_last does not touch it
     }
     assert _behaviour(model, converted, x) == expected
-    # each returned layer's recipe attribute says what it got
-    recipes = {path: layer.recipe for path, layer in converted.items()}
+    # the report says what each layer got
+    recipes = {path: plan.recipe for path, plan in converted.converted.items()}
     assert recipes == {p: MX if k == "e4m3" else None for p, k in expected.items()}
 
 
@@ -449,5 +457,5 @@ def test_quantize_model_keep_errors():
         mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, include="proj", keep_last=1)
     with pytest.raises(TypeError, match=r"keep_recipe must be a jaxmx\.Recipe .* got 'mxfp8'"):
         mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, keep_recipe="mxfp8")
-    with pytest.raises(ValueError, match="keep pattern 'head' matches no converted layer"):
+    with pytest.raises(ValueError, match=r"keep pattern\(s\) \['head'\] match no converted"):
         mxnnx.quantize_model(Stacks(nnx.Rngs(0)), MX, keep=["proj", "head"])  # head: excluded

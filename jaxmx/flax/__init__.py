@@ -3,10 +3,10 @@
 ``import jaxmx`` never imports Flax; this subpackage does. Two APIs, one per Flax flavour:
 
 - :mod:`jaxmx.flax.linen`: ``Dense``, ``DenseGeneral``, ``Einsum``, ``dot_general(recipe)`` (for
-  the ``dot_general`` argument of stock ``flax.linen`` layers) and ``quantize_model`` (converts
-  an existing model without editing it).
+  the ``dot_general`` argument of stock ``flax.linen`` layers), ``quantize_model`` (converts
+  an existing model without editing it) and ``conversion_report`` (what it converts).
 - :mod:`jaxmx.flax.nnx`: ``Linear``, ``Einsum`` and ``quantize_model`` (converts an existing
-  model's ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers in place).
+  model's ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers in place and returns its report).
 
 Both Flax APIs take :class:`MXAttention` as the ``attention_fn`` of their attention layers, for
 MX attention products, and a module of experts holds an :class:`MXRaggedDot` for its grouped

@@ -14,7 +14,18 @@ Example:
     (4, 16)
 """
 
-from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general, quantize_model
-from jaxmx._src.flax.rules import DEFAULT_EXCLUDE
+from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
+from jaxmx._src.flax.linen_conversion import conversion_report, quantize_model
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
-__all__ = ["DEFAULT_EXCLUDE", "Dense", "DenseGeneral", "Einsum", "dot_general", "quantize_model"]
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "ConversionReport",
+    "Dense",
+    "DenseGeneral",
+    "Einsum",
+    "LayerPlan",
+    "conversion_report",
+    "dot_general",
+    "quantize_model",
+]

@@ -12,6 +12,8 @@ Example:
     ((4, 16), dtype('float32'))
 """
 
-from jaxmx._src.flax.nnx import DEFAULT_EXCLUDE, Einsum, Linear, quantize_model
+from jaxmx._src.flax.nnx import Einsum, Linear
+from jaxmx._src.flax.nnx_conversion import quantize_model
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
-__all__ = ["DEFAULT_EXCLUDE", "Einsum", "Linear", "quantize_model"]
+__all__ = ["DEFAULT_EXCLUDE", "ConversionReport", "Einsum", "LayerPlan", "Linear", "quantize_model"]

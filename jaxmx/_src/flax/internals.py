@@ -49,6 +49,28 @@ def linen_module_path() -> str | None:
     return "/".join(scope.path) if scope is not None and scope.path else None
 
 
+def linen_rng_streams(module: Any) -> tuple[str, ...]:
+    """The names of the PRNG streams a bound linen module's call was given (``"params"`` while
+    initializing, ``"dropout"`` ...).
+
+    Why: ``jaxmx.flax.linen.quantize_model`` plans a conversion by running the module's method
+    abstractly on a copy, which needs keys for the same streams; Flax has no public accessor
+    for the stream names. This reads ``module.scope.rngs`` (a dict keyed by stream name in
+    ``flax.core.scope.Scope``). Checked with Flax 0.12.8.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> class Probe(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         print(linen_rng_streams(self))
+        ...         return x
+        >>> _ = Probe().init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, 1.0)
+        ('params', 'dropout')
+    """
+    return tuple(module.scope.rngs)
+
+
 def nnx_dot_general_cls(layer: Any) -> Any:
     """The ``dot_general_cls`` of an nnx layer: a factory that Flax calls for the layer's GEMM
     *instead of* its ``dot_general``, or ``None`` (unset, or a layer type without one).

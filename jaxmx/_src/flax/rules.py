@@ -1,17 +1,17 @@
-"""Which layers a model conversion touches, and the recipe each gets: shared by the linen and
-nnx converters.
+"""Which layers a model conversion touches, the recipe each gets, and the report that lists it:
+shared by the linen and nnx converters.
 
 A layer's path is its module names joined with ``/`` (``"blocks/0/mlp/up"``). A pattern
-(``fnmatch`` syntax) matches a layer if it matches the whole path or any single component.
-A numbered block is the first path component that is an integer or ends in ``_<int>``
-(``blocks/3``, ``decoder/layers_3``, ``block_3``); :class:`Conversion` keeps the last blocks
-of each stack in a higher-precision recipe.
+(``fnmatch`` syntax) matches a layer if it matches the whole path or any run of consecutive
+components (``"attn/*"`` matches ``"blocks/0/attn/key"``, ``"head"`` matches
+``"decoder/head"``). A numbered block is the first path component that is an integer or ends in
+``_<int>`` (``blocks/3``, ``decoder/layers_3``, ``block_3``); :class:`Conversion` can keep the
+last blocks of each stack in another recipe.
 
 Example:
-    >>> from jaxmx._src.flax.rules import block_of, matcher
-    >>> excluded = matcher(("*embed*", "head"), default=False)
-    >>> excluded("blocks/0/mlp/up", None), excluded("head", None), excluded("tok_embed", None)
-    (False, True, True)
+    >>> from jaxmx._src.flax.rules import block_of, matching
+    >>> matching("blocks/0/attn/key", ("attn/*", "head")), matching("tok_embed", ("*embed*",))
+    ('attn/*', '*embed*')
     >>> block_of("blocks/3/mlp/up"), block_of("decoder/layers_12/attn"), block_of("head")
     (('blocks/', 3), ('decoder/layers_', 12), None)
 """
@@ -20,52 +20,110 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import re
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from jaxmx._src.core.recipes import Recipe, check_recipe
+from jaxmx._src.core.recipes import (
+    DEEPSEEK_FP8,
+    FP8_BLOCK_POW2,
+    MXFP4,
+    MXFP8,
+    MXFP8_2D,
+    MXFP8_HYBRID,
+    NVFP4,
+    Recipe,
+    check_recipe,
+)
 
 Rule = str | Iterable[str] | Callable[[str, Any], bool] | None
 """``None``, pattern(s), or a predicate ``(path, layer) -> bool``."""
 
-DEFAULT_EXCLUDE: tuple[str, ...] = ("*embed*", "head", "*_head", "logits", "classifier")
-"""Layer-path patterns the converters leave in high precision unless told otherwise.
+DEFAULT_EXCLUDE: tuple[str, ...] = (
+    "*embed*",
+    "head",
+    "*_head",
+    "*logit*",
+    "classifier",
+    "*router*",
+    "gate",
+)
+"""Layer-path patterns the converters leave in high precision by default.
 
-Embeddings (tied or not) and the output head stay in high precision, as in NVIDIA's MXFP8 and
-DeepSeek-V3's FP8 recipes.
+Embeddings, output heads (``head``, ``lm_head``, ``logits``, lm1b's ``logitdense``, a
+``classifier``) and MoE routers (``router``, DeepSeek's ``gate``) stay in high precision, as in
+NVIDIA's MXFP8 and DeepSeek-V3's FP8 recipes. Besides these names, the output head by position
+stays in high precision too, whatever its name: in linen the model's last projection, in nnx
+(which has no call order) its only projection, when its output width is the size of one of the
+model's embedding tables.
 """
 
+# What a layer is to a converter.
+GEMM = "gemm"  # a layer whose GEMM the converter can route through jaxmx
+EXPERTS = "experts"  # a layer holding an MXRaggedDot (grouped expert GEMMs)
+ATTENTION = "attention"  # an attention layer whose products attention=True converts
+EMBEDDING = "embedding"  # an embedding table (lookup / tied output projection): never converted
+OWN = "own"  # a jaxmx layer, which keeps the recipe it was built with
 
-def patterns(rule: Rule) -> tuple[str, ...]:
-    """The patterns of a pattern rule (one string, or several)."""
-    return (rule,) if isinstance(rule, str) else tuple(rule)
+_PRESETS = {
+    "MXFP8": MXFP8,
+    "MXFP8_HYBRID": MXFP8_HYBRID,
+    "MXFP8_2D": MXFP8_2D,
+    "DEEPSEEK_FP8": DEEPSEEK_FP8,
+    "FP8_BLOCK_POW2": FP8_BLOCK_POW2,
+    "NVFP4": NVFP4,
+    "MXFP4": MXFP4,
+}
 
 
-def matches(path: str, pats: tuple[str, ...]) -> bool:
-    """Whether any pattern matches ``path`` or one of its ``/``-separated components."""
+def recipe_name(recipe: Recipe | None) -> str:
+    """A short name for ``recipe``: its preset name, ``"high precision"`` for ``None``, else its
+    forward and gradient formats.
+
+    Example:
+        >>> from jaxmx._src.core.recipes import NVFP4, Recipe
+        >>> recipe_name(NVFP4), recipe_name(None), recipe_name(Recipe(grad="mxfp8_e5m2", rht=True))
+        ('NVFP4', 'high precision', 'Recipe(mxfp8_e4m3 / mxfp8_e5m2, ...)')
+    """
+    if recipe is None:
+        return "high precision"
+    for name, preset in _PRESETS.items():
+        if recipe == preset:
+            return name
+    return f"Recipe({recipe.fwd} / {recipe.grad}, ...)"
+
+
+def _components_runs(path: str) -> Iterator[str]:
     parts = path.split("/")
-    return any(
-        fnmatch.fnmatchcase(path, p) or any(fnmatch.fnmatchcase(c, p) for c in parts) for p in pats
-    )
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts) + 1):
+            yield "/".join(parts[i:j])
 
 
-def matcher(rule: Rule, default: bool) -> Callable[[str, Any], bool]:
-    """``rule`` as a predicate ``(path, layer) -> bool``; ``None`` answers ``default``."""
-    if rule is None:
-        return lambda path, layer: default
-    if callable(rule):
-        return rule
-    pats = patterns(rule)
-    return lambda path, layer: matches(path, pats)
+def matching(path: str, pats: Iterable[str]) -> str | None:
+    """The first pattern of ``pats`` that matches ``path`` or a run of its components, or
+    ``None``."""
+    runs = list(_components_runs(path))
+    return next((p for p in pats if any(fnmatch.fnmatchcase(r, p) for r in runs)), None)
 
 
-def unmatched(rule: Rule, paths: Iterable[str]) -> list[str]:
-    """The patterns of ``rule`` that match none of ``paths`` (none for ``None`` or a predicate)."""
+def _is_literal(pattern: str) -> bool:
+    return not any(c in pattern for c in "*?[")
+
+
+def _normalized(rule: Rule, name: str) -> tuple[str, ...] | Callable | None:
+    """``rule`` as ``None``, a tuple of patterns, or a predicate; a TypeError for anything else."""
     if rule is None or callable(rule):
-        return []
-    paths = list(paths)
-    return [p for p in patterns(rule) if not any(matches(path, (p,)) for path in paths)]
+        return rule
+    pats = (rule,) if isinstance(rule, str) else tuple(rule) if isinstance(rule, Iterable) else None
+    if pats is None or not all(isinstance(p, str) for p in pats):
+        raise TypeError(
+            f"quantize_model: {name} must be None, a pattern, a list of patterns or a predicate "
+            f"(path, layer) -> bool, got {rule!r}"
+        )
+    return pats
 
 
 _NUMBERED = re.compile(r"(.*_)?(\d+)")  # a block component: "3", "layers_3"
@@ -118,32 +176,114 @@ def last_blocks(paths: Iterable[str], n: int) -> frozenset[tuple[str, int]]:
     return frozenset(kept)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layer:
+    """A layer of a model as a converter found it (in call order for linen, ``nnx.iter_modules``
+    for nnx)."""
+
+    path: str
+    kind: str  # the layer's type name
+    role: str  # GEMM, EXPERTS, ATTENTION, EMBEDDING or OWN
+    out_width: int | None = None  # the last dimension of its output (GEMM), if known
+    vocab: int | None = None  # EMBEDDING: the number of entries of its table
+    recipe: Recipe | None = None  # OWN: the recipe the layer was built with
+    module: Any = dataclasses.field(default=None, compare=False, repr=False)  # for predicates
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerPlan:
+    """What a conversion did to one layer.
+
+    Example:
+        >>> LayerPlan(path="blocks/0/up", kind="Dense", recipe=None, converted=False,
+        ...           reason="excluded: exclude pattern 'blocks/*'").recipe is None
+        True
+    """
+
+    path: str  # "/"-joined module path, relative to the converted model
+    kind: str  # the layer's type name ("Dense", "LinearGeneral", "MultiHeadAttention", ...)
+    recipe: Recipe | None  # the recipe its GEMMs run with; None: plain high precision
+    converted: bool  # whether the conversion set its recipe (kept layers included)
+    reason: str  # why: "converted", "kept: ...", "excluded: ...", "not matched by include", ...
+    layer: Any = dataclasses.field(default=None, compare=False, repr=False)  # nnx: the layer
+
+
+class ConversionReport(Mapping):
+    """``{path: LayerPlan}`` for every GEMM-bearing layer a conversion saw, in the order it saw
+    them; ``str(report)`` is a table, ``report.converted`` the converted layers only.
+
+    Example:
+        >>> report = ConversionReport([
+        ...     LayerPlan(path="up", kind="Dense", recipe=MXFP8, converted=True,
+        ...               reason="converted"),
+        ...     LayerPlan(path="head", kind="Dense", recipe=None, converted=False,
+        ...               reason="excluded by default: 'head'")])
+        >>> list(report.converted), report["head"].recipe
+        (['up'], None)
+        >>> print(report)
+        up    Dense  MXFP8           converted
+        head  Dense  high precision  excluded by default: 'head'
+    """
+
+    def __init__(self, plans: Iterable[LayerPlan]):
+        self._plans = {p.path: p for p in plans}
+
+    def __getitem__(self, path: str) -> LayerPlan:
+        return self._plans[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    @property
+    def converted(self) -> dict[str, LayerPlan]:
+        """The layers whose recipe the conversion set (kept layers included)."""
+        return {path: p for path, p in self._plans.items() if p.converted}
+
+    def __str__(self) -> str:
+        rows = [(p.path, p.kind, recipe_name(p.recipe), p.reason) for p in self._plans.values()]
+        widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+        return "\n".join(
+            "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]])
+            for r in rows
+        )
+
+    def __repr__(self) -> str:
+        return f"ConversionReport({list(self._plans.values())!r})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Conversion:
     """The arguments of a ``quantize_model`` call: which layers it converts, and to what.
 
-    A layer is converted if ``include`` matches it and ``exclude`` does not. It gets
-    ``keep_recipe`` if ``keep`` matches it or it lies in one of the ``keep_last``
-    highest-numbered blocks of its stack (:func:`last_blocks`, over the converted layers),
-    else ``recipe``.
+    A layer is converted unless an ``exclude`` pattern matches it, ``include`` (when given) does
+    not, or a default exclusion holds (:data:`DEFAULT_EXCLUDE`, or the layer is the output
+    head). An ``include`` pattern without wildcards that matches a layer (``include="head"``)
+    wins over the default exclusions; the user's ``exclude`` wins over everything. A converted
+    layer gets ``keep_recipe`` if ``keep`` matches it or it lies in one of the ``keep_last``
+    highest-numbered blocks of its stack (:func:`last_blocks`, over the converted layers), else
+    ``recipe``. Frozen and hashable: two conversions are equal when they compute the same thing.
 
     Example:
         >>> from jaxmx._src.core.recipes import MXFP8
-        >>> conv = Conversion(MXFP8, keep_last=1)
-        >>> plan = conv.plan(dict.fromkeys(["blocks/0/up", "blocks/1/up", "proj"]))
-        >>> {path: recipe is MXFP8 for path, recipe in plan.items()}
-        {'blocks/0/up': True, 'blocks/1/up': False, 'proj': True}
+        >>> conv = Conversion(recipe=MXFP8, keep_last=1)
+        >>> layers = [Layer(path=p, kind="Dense", role=GEMM) for p in ("blocks/0", "blocks/1")]
+        >>> print(conv.plan(layers + [Layer(path="head", kind="Dense", role=GEMM)]))
+        blocks/0  Dense  MXFP8           converted
+        blocks/1  Dense  high precision  kept: one of the last 1 blocks of 'blocks/'
+        head      Dense  high precision  excluded by default: 'head'
     """
 
-    recipe: Recipe | None
-    include: Rule = None
-    exclude: Rule = DEFAULT_EXCLUDE
-    keep: Rule = None
-    keep_last: int = 0
-    keep_recipe: Recipe | None = None
-    _included: Callable = dataclasses.field(init=False, repr=False)
-    _excluded: Callable = dataclasses.field(init=False, repr=False)
-    _kept: Callable = dataclasses.field(init=False, repr=False)
+    recipe: Recipe | None  # the recipe of the converted layers
+    include: Rule = None  # None: every layer; else the candidates
+    exclude: Rule = ()  # never converted, besides the defaults
+    exclude_defaults: bool = True  # apply DEFAULT_EXCLUDE and the output-head rule
+    attention: bool = False  # also convert the attention products of attention layers
+    keep: Rule = None  # converted layers that get keep_recipe
+    keep_last: int = 0  # final numbered blocks of each stack that get keep_recipe
+    keep_recipe: Recipe | None = None  # the recipe of the kept layers
 
     def __post_init__(self):
         check_recipe(self.recipe, "quantize_model", optional=True)
@@ -153,38 +293,133 @@ class Conversion:
                 "quantize_model: keep_last must be an integer >= 0 (the number of final blocks "
                 f"to keep), got {self.keep_last!r}"
             )
-        self._included = matcher(self.include, default=True)
-        self._excluded = matcher(self.exclude, default=False)
-        self._kept = matcher(self.keep, default=False)
+        for name in ("exclude_defaults", "attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"quantize_model: {name} must be a bool, got {getattr(self, name)!r}"
+                )
+        for name in ("include", "exclude", "keep"):
+            object.__setattr__(self, name, _normalized(getattr(self, name), name))
 
-    def converts(self, path: str, layer: Any) -> bool:
-        """Whether ``include`` matches the layer and ``exclude`` does not."""
-        return self._included(path, layer) and not self._excluded(path, layer)
+    def plan(self, layers: Sequence[Layer], *, in_call_order: bool = True) -> ConversionReport:
+        """The report of this conversion on a model made of ``layers`` (``in_call_order``: as
+        the model calls them, else in an order that says nothing of the model's data flow).
 
-    def recipe_of(self, path: str, layer: Any, kept_blocks: frozenset) -> Recipe | None:
-        """The recipe of a converted layer, given the kept blocks (:func:`last_blocks`)."""
-        kept = self._kept(path, layer) or block_of(path) in kept_blocks
-        return self.keep_recipe if kept else self.recipe
+        Raises:
+            ValueError: an ``include`` pattern matches no candidate layer, a ``keep`` pattern no
+                converted one (every such pattern is named), or ``keep_last`` cannot hold.
 
-    def plan(self, converted: Mapping[str, Any]) -> dict[str, Recipe | None]:
-        """``{path: recipe}`` of the converted layers ``{path: layer}``."""
+        Warns:
+            UserWarning: an ``exclude`` pattern matches no candidate layer, or ``attention=True``
+                and the model has no attention layer the converter can convert.
+        """
+        roles = (GEMM, EXPERTS, ATTENTION) if self.attention else (GEMM, EXPERTS)
+        candidates = [layer for layer in layers if layer.role in roles]
+        self._check_options(layers, candidates)
+        head = _head(layers, in_call_order)
+        decided = {layer.path: self._decide(layer, head) for layer in candidates}
+        converted = [path for path, reason in decided.items() if reason is None]
+        self._check_matches(self.keep, converted, "keep", "converted layer", raises=True)
         blocks = last_blocks(converted, self.keep_last)
-        return {path: self.recipe_of(path, layer, blocks) for path, layer in converted.items()}
+        return ConversionReport(
+            self._plan_of(layer, decided.get(layer.path, _NOT_A_CANDIDATE), blocks)
+            for layer in layers
+        )
 
-    def check_patterns(self, layers: Iterable[str], converted: Iterable[str], kinds: str) -> None:
-        """Raises a ValueError for an ``include`` pattern that matches none of the convertible
-        ``layers`` (``kinds``: their types, for the message), or a ``keep`` pattern that matches
-        none of the ``converted`` ones."""
-        layers, converted = sorted(layers), sorted(converted)
-        missing = unmatched(self.include, layers)
-        if missing:
-            raise ValueError(
-                f"quantize_model: include pattern {missing[0]!r} matches no {kinds} layer; "
-                f"the model has {layers}"
+    def _check_options(self, layers: Sequence[Layer], candidates: Sequence[Layer]) -> None:
+        paths = [layer.path for layer in candidates]
+        self._check_matches(self.include, paths, "include", "convertible layer", raises=True)
+        self._check_matches(self.exclude, paths, "exclude", "convertible layer", raises=False)
+        if self.attention and not any(layer.role == ATTENTION for layer in layers):
+            warnings.warn(
+                "quantize_model: attention=True, but the model has no Flax attention layer "
+                "(linen MultiHeadDotProductAttention / nnx MultiHeadAttention) whose products "
+                "jaxmx can convert; attention computed by other code (e.g. jnp.einsum) stays in "
+                "high precision",
+                stacklevel=4,
             )
-        missing = unmatched(self.keep, converted)
-        if missing:
-            raise ValueError(
-                f"quantize_model: keep pattern {missing[0]!r} matches no converted layer; "
-                f"the converted layers are {converted}"
-            )
+
+    @staticmethod
+    def _check_matches(rule, paths: list[str], name: str, what: str, *, raises: bool) -> None:
+        if rule is None or callable(rule):
+            return
+        missing = [p for p in rule if not any(matching(path, (p,)) for path in paths)]
+        if not missing:
+            return
+        message = (
+            f"quantize_model: {name} pattern(s) {missing} match no {what}; the {what}s are "
+            f"{sorted(paths)}"
+        )
+        if raises:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=5)
+
+    def _decide(self, layer: Layer, head: str | None) -> str | None:
+        """``None`` if the layer is converted, else why not."""
+        if callable(self.exclude):
+            if self.exclude(layer.path, layer.module):
+                return "excluded: exclude predicate"
+        elif (pat := matching(layer.path, self.exclude)) is not None:
+            return f"excluded: exclude pattern {pat!r}"
+        named = False
+        if callable(self.include):
+            if not self.include(layer.path, layer.module):
+                return "not matched by include"
+        elif self.include is not None:
+            pat = matching(layer.path, self.include)
+            if pat is None:
+                return "not matched by include"
+            named = any(_is_literal(p) and matching(layer.path, (p,)) for p in self.include)
+        if self.exclude_defaults and not named:
+            if (pat := matching(layer.path, DEFAULT_EXCLUDE)) is not None:
+                return f"excluded by default: {pat!r}"
+            if layer.path == head:
+                return (
+                    "excluded by default: output head (the last projection; its width is the "
+                    "size of an embedding table)"
+                )
+        return None
+
+    def _plan_of(self, layer: Layer, reason: str | None, blocks: frozenset) -> LayerPlan:
+        plan = functools.partial(LayerPlan, path=layer.path, kind=layer.kind, layer=layer.module)
+        if reason is _NOT_A_CANDIDATE:
+            return plan(recipe=layer.recipe, converted=False, reason=_NOT_CONVERTED[layer.role])
+        if reason is not None:
+            return plan(recipe=None, converted=False, reason=reason)
+        kept = self._kept(layer, blocks)
+        if kept is not None:
+            return plan(recipe=self.keep_recipe, converted=True, reason=kept)
+        return plan(recipe=self.recipe, converted=True, reason="converted")
+
+    def _kept(self, layer: Layer, blocks: frozenset) -> str | None:
+        """Why a converted layer gets ``keep_recipe``, or ``None``."""
+        if callable(self.keep):
+            if self.keep(layer.path, layer.module):
+                return "kept: keep predicate"
+        elif self.keep is not None and (pat := matching(layer.path, self.keep)) is not None:
+            return f"kept: keep pattern {pat!r}"
+        block = block_of(layer.path)
+        if block in blocks:
+            return f"kept: one of the last {self.keep_last} blocks of {block[0]!r}"
+        return None
+
+
+_NOT_A_CANDIDATE = "not a candidate"
+_NOT_CONVERTED = {
+    ATTENTION: "attention products in high precision (attention=False)",
+    EMBEDDING: "embedding table: high precision (never converted)",
+    OWN: "jaxmx layer: keeps its own recipe",
+}
+
+
+def _head(layers: Sequence[Layer], in_call_order: bool) -> str | None:
+    """The path of the output head by position: the last GEMM layer (``in_call_order``) or else
+    the only one, if its output width is the size of one of the model's embedding tables."""
+    vocab = {layer.vocab for layer in layers if layer.role == EMBEDDING}
+    gemms = [layer for layer in layers if layer.role == GEMM]
+    if not in_call_order:
+        gemms = [layer for layer in gemms if layer.out_width in vocab]
+        return gemms[0].path if len(gemms) == 1 else None
+    if gemms and gemms[-1].out_width is not None and gemms[-1].out_width in vocab:
+        return gemms[-1].path
+    return None

@@ -38,7 +38,7 @@ from jaxmx._src.training.dot_general import (
     dot_general,
 )
 from jaxmx._src.training.einsum import einsum
-from jaxmx._src.training.ragged import ragged_dot
+from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
 from jaxmx._src.training.scope import stochastic_rounding
 from jaxmx._version import __version__
 
@@ -67,6 +67,7 @@ __all__ = [
     "einsum",
     "fake_quantize",
     "ffi",
+    "grouped_recipe",
     "matmul",
     "quantize",
     "quantize_rowwise_colwise",

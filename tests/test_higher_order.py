@@ -61,6 +61,19 @@ def test_forward_mode_of_dot_general_itself_is_refused_by_jax():
         jax.jvp(lambda x: jaxmx.dot_general(x, w, DN), (x,), (x,))
 
 
+def test_forward_mode_of_ragged_dot_is_refused_like_dot_general():
+    """Failed before: jax.jacfwd raised lax.ragged_dot's 'vmap over any dim but 0 - NYI' from
+    inside the forward GEMM instead of JAX's refusal of forward mode for custom-VJP functions."""
+    lhs, rhs, sizes = jnp.ones((6, 32)), jnp.ones((2, 32, 4)), jnp.array([2, 4])
+    for argnums in (0, 1):
+        with pytest.raises(TypeError, match="forward-mode autodiff"):
+            jax.jacfwd(lambda a, b: jaxmx.ragged_dot(a, b, sizes), argnums)(lhs, rhs)
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jvp(lambda a: jaxmx.ragged_dot(a, rhs, sizes), (lhs,), (lhs,))
+    with pytest.raises(TypeError, match="forward-mode autodiff"):
+        jax.jacfwd(lambda x: jaxmx.dot_general(x, rhs[0], (((1,), (0,)), ((), ()))))(lhs)
+
+
 def test_ragged_dot_second_order_raises():
     lhs, sizes = jnp.ones((6, 64)), jnp.array([2, 4])
     rhs = jax.random.normal(jax.random.key(1), (2, 64, 8))

@@ -9,7 +9,8 @@
   model's ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers in place and returns its report).
 
 Both Flax APIs take :class:`MXAttention` as the ``attention_fn`` of their attention layers, for
-MX attention products.
+MX attention products, and a module of experts holds an :class:`MXRaggedDot` for its grouped
+GEMMs.
 
 Every layer takes ``recipe=`` (default :data:`jaxmx.recipes.MXFP8`); ``recipe=None`` runs the
 plain high-precision ``lax.dot_general``, identical to the Flax layer. Parameters keep their
@@ -23,7 +24,7 @@ Example:
     (dtype('float32'), (8, 64))
 """
 
-from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum, MXRaggedDot
 from jaxmx.flax import linen, nnx
 
-__all__ = ["MXAttention", "MXDotGeneral", "MXEinsum", "linen", "nnx"]
+__all__ = ["MXAttention", "MXDotGeneral", "MXEinsum", "MXRaggedDot", "linen", "nnx"]

@@ -19,6 +19,7 @@ from jaxmx._src.flax.internals import linen_module_path
 from jaxmx._src.training.attention import dot_product_attention as jaxmx_attention
 from jaxmx._src.training.dot_general import dot_general as jaxmx_dot_general
 from jaxmx._src.training.einsum import einsum as jaxmx_einsum
+from jaxmx._src.training.ragged import ragged_dot as jaxmx_ragged_dot
 from jaxmx._src.training.scope import named
 
 
@@ -181,6 +182,42 @@ class MXAttention:
         with _named(self.name):
             out = jaxmx_attention(*flat, bias, mask, is_causal=is_causal, recipe=self.recipe)
         return out.reshape(*batch, *out.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class MXRaggedDot:
+    """``lax.ragged_dot``'s signature, computed by :func:`jaxmx.ragged_dot` with ``recipe``: the
+    grouped GEMM of a mixture-of-experts layer, held by the module that calls it.
+
+    ``recipe=None`` calls ``lax.ragged_dot`` itself (high precision). ``name``: as for
+    :class:`MXDotGeneral` (default: the calling linen module's path, else ``ragged_dot``).
+    Stochastic rounding takes its key from an enclosing :func:`jaxmx.stochastic_rounding` block.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx.flax import MXRaggedDot
+        >>> experts = MXRaggedDot()                 # jaxmx.recipes.MXFP8
+        >>> lhs, rhs = jnp.ones((6, 32)), jnp.ones((2, 32, 8))
+        >>> experts(lhs, rhs, jnp.array([2, 4])).shape
+        (6, 8)
+    """
+
+    recipe: Recipe | None = MXFP8
+    name: str | None = None
+
+    def __call__(self, lhs, rhs, group_sizes, *, preferred_element_type=None) -> jax.Array:
+        if self.recipe is None:
+            return lax.ragged_dot(
+                lhs, rhs, group_sizes, preferred_element_type=preferred_element_type
+            )
+        with _named(self.name):
+            return jaxmx_ragged_dot(
+                lhs,
+                rhs,
+                group_sizes,
+                preferred_element_type=preferred_element_type,
+                recipe=self.recipe,
+            )
 
 
 def _constrained(y: jax.Array, out_sharding) -> jax.Array:

@@ -18,13 +18,25 @@ MX formats) and zero-padded to whole blocks (a static bound of ``m + 31 g`` rows
 may be traced), so a block never mixes two groups whatever the group sizes. The GEMMs are
 emulated (exact decode, float32 accumulation); there is no native grouped GEMM yet.
 
+Weight tiles and the Hadamard transform hold exactly in a grouped GEMM, so every preset runs
+as it is (:func:`grouped_recipe` returns the recipe that runs): ``Recipe.weight_tile`` tiles
+each expert's ``[k, n]`` matrix (a tile never spans two experts),
+and one tiled quantization of ``rhs`` serves the forward and dgrad GEMMs; ``Recipe.rht``
+transforms the two wgrad operands along the tokens of the layout above, whose groups start at
+multiples of the transform's 16 rows, so each 16x16 Hadamard block lies within one group and
+each group's product is unchanged in exact arithmetic. An NVFP4 tensor scale is one per operand
+(over all groups' tokens, over all experts' weights).
+
 The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`` saves the two
 8-bit columnwise copies (``lhs`` laid out by group along its tokens, named
-:data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, :data:`jaxmx.RHS_COLWISE`), ``"high_precision"``
-saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and quantizes them in the
-backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its four legs (default
-name ``ragged_dot``). ``Recipe.weight_tile``, ``rht``, ``accum_bits`` (and so
-``promote_every``) and ``backend="ffi"`` are refused by name.
+:data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, or its one tiled copy, :data:`jaxmx.RHS_COLWISE`),
+``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
+quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its
+four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and
+``backend="ffi"`` are refused by name. ``jax.vmap`` may map any of the operands
+(``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
+differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
+:func:`jaxmx.dot_general`.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -36,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -48,10 +61,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.quantize.fake import fake_quantize
+from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training import scope
 from jaxmx._src.training.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
@@ -75,15 +90,16 @@ def ragged_dot(
         group_sizes: ``[g]`` non-negative integers (may be traced: then unchecked), summing to
             at most ``m``.
         preferred_element_type: the output dtype; default the promoted input dtype.
-        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"``, or
-            ``None``: plain high precision (``lax.ragged_dot``, ``key`` ignored).
+        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"`` and
+            without ``accum_bits``, run as :func:`grouped_recipe` says; or ``None``: plain high
+            precision (``lax.ragged_dot``, ``key`` ignored).
         key: for ``recipe.grad_rounding == "stochastic"``, as in :func:`jaxmx.dot_general`.
 
     Returns:
         ``[m, n]``: row ``i`` is ``lhs[i] @ rhs[group(i)]``, zero past the last group.
     """
     if check_recipe(recipe, "jaxmx.ragged_dot", optional=True) is not None:
-        _check_grouped_recipe(recipe)
+        recipe = grouped_recipe(recipe)
     lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
     rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
     group_sizes = jnp.asarray(group_sizes)
@@ -112,26 +128,33 @@ def ragged_dot(
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
-def _check_grouped_recipe(recipe: Recipe) -> None:
-    """What a grouped GEMM cannot take of a recipe, refused by name."""
+def grouped_recipe(recipe: Recipe) -> Recipe:
+    """The recipe :func:`jaxmx.ragged_dot` runs for ``recipe``: the same fields but
+    ``backend="emulate"`` (there is no native grouped GEMM yet).
+
+    Weight tiles and the Hadamard transform need no change: a tile covers part of one expert's
+    ``[k, n]`` matrix, never two experts, and the transform of the weight-gradient operands runs
+    within each group's zero-padded whole blocks of tokens, which is exact per group. So every
+    preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
+    NotImplementedError: ``backend="ffi"`` and ``accum_bits`` (the modelled accumulator needs the
+    blocked emulation of :func:`jaxmx.matmul`).
+
+    Example:
+        >>> import jaxmx
+        >>> r = jaxmx.grouped_recipe(jaxmx.recipes.NVFP4)
+        >>> r.backend, r.weight_tile, r.rht, r == jaxmx.recipes.NVFP4.replace(backend="emulate")
+        ('emulate', (16, 16), True, True)
+    """
+    check_recipe(recipe, "jaxmx.grouped_recipe")
     # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or the
     # refusal of backend="ffi"), which _ragged's decode then lax.ragged_dot implement
     kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
-    if recipe.weight_tile is not None:
-        raise NotImplementedError(
-            "jaxmx.ragged_dot: Recipe.weight_tile (2-D weight tiles) is not available for "
-            "grouped GEMMs; use a recipe without it"
-        )
-    if recipe.rht:
-        raise NotImplementedError(
-            "jaxmx.ragged_dot: Recipe.rht (the random Hadamard transform of the weight-gradient "
-            "GEMM) is not available for grouped GEMMs; use recipe.replace(rht=False)"
-        )
     if recipe.accum_bits is not None:
         raise NotImplementedError(
             "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
             "available for grouped GEMMs; use a recipe without it"
         )
+    return recipe.replace(backend="emulate")
 
 
 def _check_group_sizes(group_sizes: jax.Array) -> None:
@@ -202,13 +225,28 @@ def _ragged(static: _Static, lhs, rhs, group_sizes, key, tap):
 
 def _forward(static: _Static, lhs, rhs, group_sizes):
     r = static.recipe
-    y = lax.ragged_dot(
-        _decoded(lhs, r.fwd, r, axis=1),
-        _decoded(rhs, r.fwd, r, axis=1),
-        group_sizes,
-        preferred_element_type=jnp.float32,
-    )
+    y = _by_rows(_decoded(lhs, r.fwd, r, axis=1), _rhs_forward(r, rhs), group_sizes)
     return y.astype(static.out_dtype)
+
+
+def _rhs_forward(r: Recipe, rhs) -> jax.Array:
+    """``rhs [g, k, n]`` as the forward GEMM reads it, decoded: along K, or in weight tiles."""
+    if r.weight_tile:
+        return dequantize(_tiled(r, rhs))
+    return _decoded(rhs, r.fwd, r, axis=1)
+
+
+def _rhs_dgrad(r: Recipe, rhs) -> MXArray:
+    """``rhs [g, k, n]`` as the dgrad GEMM reads it: along N, or the forward's tiled copy."""
+    if r.weight_tile:
+        return _tiled(r, rhs)
+    return quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode)
+
+
+def _tiled(r: Recipe, rhs) -> MXArray:
+    """``rhs [g, k, n]`` in ``r.weight_tile`` tiles of each expert's ``[k, n]`` matrix: one
+    quantization for the forward and dgrad GEMMs (a tile holds the same bytes transposed)."""
+    return quantize(rhs, r.fwd, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
 def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
@@ -225,14 +263,25 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
 
 
 def _columnwise(r: Recipe, lhs, rhs, group_sizes):
-    """The backward GEMMs' copies of the inputs: ``lhs`` laid out by group
-    (:func:`group_padded`) and quantized along each group's tokens, for the weight gradient,
-    and ``rhs`` quantized along N, for the input gradient (both MXArrays)."""
-    lhs_by_group, _ = group_padded(lhs, group_sizes, get_format(r.fwd).block)
-    return (
-        quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode),
-        quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode),
-    )
+    """The backward GEMMs' copies of the inputs: ``lhs`` laid out by group (:func:`_by_group`)
+    and quantized along each group's tokens, for the weight gradient, and ``rhs`` as the input
+    gradient reads it (:func:`_rhs_dgrad`), both MXArrays."""
+    lhs_by_group, _ = _by_group(lhs, group_sizes, r)
+    return quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode), _rhs_dgrad(r, rhs)
+
+
+def _by_group(x, group_sizes, r: Recipe):
+    """(``x [m, c]`` laid out by group as the weight-gradient GEMM reads it, and the padded group
+    sizes): :func:`group_padded` to whole blocks of both formats, then with ``r.rht`` the random
+    Hadamard transform along the tokens. Groups start at multiples of its 16 rows, so no 16x16
+    block mixes two groups and each group's product is unchanged in exact arithmetic."""
+    block = math.lcm(get_format(r.fwd).block, get_format(r.grad).block)
+    if r.rht:
+        block = math.lcm(block, _RHT_ROWS)
+    x, padded_sizes = group_padded(x, group_sizes, block)
+    if r.rht:
+        x = rht(x, axis=0, key=jax.random.key(r.rht_seed), size=_RHT_ROWS)
+    return x, padded_sizes
 
 
 def _named(q, name: str):
@@ -249,24 +298,16 @@ def _ragged_bwd(static: _Static, residuals, g):
     else:
         lhs_col, rhs_by_n = _columnwise(r, *saved, group_sizes)
     row_key, col_key = scope.copy_keys(key)
-    dlhs = lax.ragged_dot(  # reduces N
+    dlhs = _by_rows(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),
         dequantize(rhs_by_n).swapaxes(1, 2),
         group_sizes,
-        preferred_element_type=jnp.float32,
     )
-    g_by_group, padded_sizes = group_padded(g, group_sizes, get_format(r.grad).block)
-    dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[1],
-        rhs_group_dimensions=[],
-    )
-    drhs = lax.ragged_dot_general(  # reduces each group's tokens: [g, k, n]
+    g_by_group, padded_sizes = _by_group(g, group_sizes, r)
+    drhs = _by_tokens(  # reduces each group's tokens: [g, k, n]
         dequantize(lhs_col).T,
         _decoded(g_by_group, r.grad, r, axis=0, key=col_key),
         padded_sizes,
-        dims,
-        preferred_element_type=jnp.float32,
     )
     tap_ct = _observed_gradient(static, g, g_by_group)
     return dlhs.astype(static.lhs_dtype), drhs.astype(static.rhs_dtype), None, None, tap_ct
@@ -274,8 +315,8 @@ def _ragged_bwd(static: _Static, residuals, g):
 
 def _observed_gradient(static: _Static, g, g_by_group):
     """The tap's cotangent: the observer's record of the output gradient as the dgrad GEMM
-    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group,
-    :func:`group_padded`, along each group's tokens); ``None`` when nothing observes."""
+    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group and
+    transformed, :func:`_by_group`, along each group's tokens); ``None`` when nothing observes."""
     if static.observe_grad is None:
         return None
     r = static.recipe
@@ -286,4 +327,47 @@ def _observed_gradient(static: _Static, g, g_by_group):
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
+
+def _batchable(dims: lax.RaggedDotDimensionNumbers):
+    """``(lhs, rhs, group_sizes) -> lax.ragged_dot_general(...)`` with ``dims`` and a float32
+    result, which ``jax.vmap`` batches whichever operands are mapped: ``lax.ragged_dot``'s own
+    batching rule takes only all three mapped along axis 0, so the others are broadcast to it.
+    (``jax.jacfwd`` vmaps the forward GEMM over unmapped operands.)"""
+
+    def dot(lhs, rhs, group_sizes):
+        return lax.ragged_dot_general(
+            lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32
+        )
+
+    batched = jax.custom_batching.custom_vmap(dot)
+
+    @batched.def_vmap
+    def _all_mapped(axis_size, in_batched, *operands):
+        operands = [
+            x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, mapped in zip(operands, in_batched, strict=True)
+        ]
+        return jax.vmap(dot)(*operands), True
+
+    return batched
+
+
+# lhs [m, k] by rows, each group's rows times its rhs [k, n]: out [m, n] (lax.ragged_dot)
+_by_rows = _batchable(
+    lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (1,)), ((), ())),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+)
+# lhs [k, t] and rhs [t, n] over each group's tokens t: out [g, k, n]
+_by_tokens = _batchable(
+    lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (0,)), ((), ())),
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[],
+    )
+)
+
 _WHERE = "jaxmx.ragged_dot"
+_RHT_ROWS = 16  # the Hadamard block of Recipe.rht (jaxmx.rht's default size)

@@ -302,3 +302,81 @@ def test_linen_options_that_match_nothing_are_reported(lm_params):
         mxl.quantize_model(Lm1bDecoder(), MX, attention=True).apply(lm_params, TOKENS)
     with pytest.warns(UserWarning, match=r"exclude pattern\(s\) \['lgits'\]"):
         mxl.quantize_model(Lm1bDecoder(), MX, exclude="lgits").apply(lm_params, TOKENS)
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+
+class NnxExperts(nnx.Module):
+    """The docs' top-1 MoE layout: a router, and experts through one MXRaggedDot."""
+
+    def __init__(self, rngs, width=32, experts=3):
+        self.router = nnx.Linear(width, experts, rngs=rngs)
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (experts, width, width)) * 0.2)
+        self.ragged_dot = jaxmx.flax.MXRaggedDot()
+
+    def __call__(self, x):
+        expert = jnp.argmax(self.router(x), axis=-1)
+        order = jnp.argsort(expert)
+        sizes = jnp.bincount(expert, length=self.w.shape[0])
+        y = self.ragged_dot(x[order], self.w[...], sizes)
+        return jnp.zeros_like(y).at[order].set(y)
+
+
+class NnxMoEModel(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NnxExperts(rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+X = jax.random.normal(jax.random.key(5), (16, 32))
+
+
+def test_nnx_conversion_reaches_the_experts():
+    model, ref = NnxMoEModel(nnx.Rngs(0)), NnxMoEModel(nnx.Rngs(0))
+    report = mxnnx.quantize_model(model, NVFP4, keep_last=1)
+    assert {p: (r.kind, r.recipe, r.reason) for p, r in report.items()} == {
+        "blocks/0": ("NnxExperts", NVFP4, "converted"),
+        "blocks/0/router": ("Linear", None, "excluded by default: '*router*'"),
+        "blocks/1": ("NnxExperts", None, "kept: one of the last 1 blocks of 'blocks/'"),
+        "blocks/1/router": ("Linear", None, "excluded by default: '*router*'"),
+    }
+    assert model.blocks[0].ragged_dot == jaxmx.flax.MXRaggedDot(NVFP4, "blocks/0")
+    # the converted model computes what experts built with NVFP4 / high precision compute
+    ref.blocks[0].ragged_dot = jaxmx.flax.MXRaggedDot(NVFP4)
+    ref.blocks[1].ragged_dot = jaxmx.flax.MXRaggedDot(None)
+    np.testing.assert_array_equal(model(X), ref(X))
+    assert not np.array_equal(model(X), NnxMoEModel(nnx.Rngs(0))(X))  # not MXFP8 any more
+
+
+class LinenExperts(nn.Module):
+    ragged_dot: object = jaxmx.flax.MXRaggedDot()
+
+    @nn.compact
+    def __call__(self, x):
+        expert = jnp.argmax(nn.Dense(3, name="router")(x), axis=-1)
+        w = self.param("w", nn.initializers.normal(0.2), (3, 32, 32))
+        order = jnp.argsort(expert)
+        y = self.ragged_dot(x[order], w, jnp.bincount(expert, length=3))
+        return jnp.zeros_like(y).at[order].set(y)
+
+
+def test_linen_conversion_reaches_the_experts():
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + LinenExperts(name="moe")(x)
+
+    params = Model().init(jax.random.key(0), X)
+    mx = mxl.quantize_model(Model(), NVFP4)
+    report = mxl.conversion_report(mx, X)
+    assert {p: r.reason for p, r in report.items()} == {
+        "moe/router": "excluded by default: '*router*'",
+        "moe": "converted",
+    }
+    want = LinenExperts(jaxmx.flax.MXRaggedDot(NVFP4)).apply({"params": params["params"]["moe"]}, X)
+    np.testing.assert_array_equal(mx.apply(params, X), X + want)

@@ -27,10 +27,11 @@ import jax
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.internals import linen_rng_streams
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, einsum_call
-from jaxmx._src.flax.ops import MXAttention, MXDotGeneral
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXRaggedDot
 from jaxmx._src.flax.rules import (
     ATTENTION,
     EMBEDDING,
+    EXPERTS,
     GEMM,
     OWN,
     Conversion,
@@ -313,9 +314,13 @@ def _intercept(next_fun, args, kwargs, context):
             "(which planned the conversion); the model's layers must not depend on the values "
             "of its inputs"
         )
-    if not plan.converted or role not in (GEMM, ATTENTION):
+    if not plan.converted or role not in (GEMM, EXPERTS, ATTENTION):
         return next_fun(*args, **kwargs)
     name = "/".join(layer.path)
+    if role == EXPERTS:
+        for attr in _ragged_dots(layer):
+            object.__setattr__(layer, attr, MXRaggedDot(plan.recipe, name))
+        return next_fun(*args, **kwargs)
     if role == ATTENTION:
         object.__setattr__(layer, "attention_fn", MXAttention(plan.recipe, name))
         return next_fun(*args, **kwargs)
@@ -342,7 +347,14 @@ def _role(layer: nn.Module, method_name: str) -> str | None:
         return GEMM
     if isinstance(layer, nn.MultiHeadDotProductAttention):
         return ATTENTION
+    if _ragged_dots(layer):
+        return EXPERTS
     return None
+
+
+def _ragged_dots(layer: nn.Module) -> list[str]:
+    """The attributes of ``layer`` (fields, or set in ``setup``) that hold an MXRaggedDot."""
+    return [name for name, value in vars(layer).items() if isinstance(value, MXRaggedDot)]
 
 
 def _nested(layer: nn.Module, root: nn.Module) -> bool:

@@ -2,8 +2,9 @@
 
 The model's layers are found by ``nnx.iter_modules``, planned by
 :meth:`~jaxmx._src.flax.rules.Conversion.plan`, and each converted layer gets a jaxmx hook:
-``dot_general`` (``Linear``, ``LinearGeneral``), ``einsum_op`` (``Einsum``) or ``attention_fn``
-(``MultiHeadAttention`` with ``attention=True``).
+``dot_general`` (``Linear``, ``LinearGeneral``), ``einsum_op`` (``Einsum``), ``attention_fn``
+(``MultiHeadAttention`` with ``attention=True``), or a new :class:`~jaxmx.flax.MXRaggedDot`
+(a module of experts holding one).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from flax import nnx
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.internals import nnx_dot_general_cls
 from jaxmx._src.flax.nnx import Einsum, Linear
-from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum, MXRaggedDot
 from jaxmx._src.flax.rules import (
     ATTENTION,
     EMBEDDING,
+    EXPERTS,
     GEMM,
     OWN,
     Conversion,
@@ -157,7 +159,14 @@ def _role(module: nnx.Module) -> str | None:
         return ATTENTION
     if isinstance(module, nnx.Embed):
         return EMBEDDING
+    if _ragged_dots(module):
+        return EXPERTS
     return None
+
+
+def _ragged_dots(module: nnx.Module) -> list[str]:
+    """The attributes of ``module`` that hold an MXRaggedDot."""
+    return [name for name, value in vars(module).items() if isinstance(value, MXRaggedDot)]
 
 
 def _layer(path: str, module: nnx.Module) -> Layer:
@@ -176,7 +185,10 @@ def _layer(path: str, module: nnx.Module) -> Layer:
 
 def _convert(layer: nnx.Module, path: str, recipe: Recipe | None) -> None:
     """Sets the jaxmx hook of one converted layer."""
-    if isinstance(layer, nnx.MultiHeadAttention):
+    if _ragged_dots(layer):
+        for attr in _ragged_dots(layer):
+            setattr(layer, attr, MXRaggedDot(recipe, path))
+    elif isinstance(layer, nnx.MultiHeadAttention):
         layer.attention_fn = MXAttention(recipe, path)
     elif isinstance(layer, nnx.Einsum):
         layer.einsum_op = MXEinsum(recipe, path)

@@ -4,7 +4,7 @@
 A converted module is an instance of a subclass of the model's class with one more dataclass
 field, ``jaxmx_conversion`` (a frozen :class:`~jaxmx._src.flax.rules.Conversion`), so two
 conversions compare and hash equal exactly when they compute the same thing, and ``clone``,
-``copy``, ``bind`` and pickling keep it. Every method of the model runs under Flax's method
+``copy`` and ``bind`` keep it. Every method of the model runs under Flax's method
 interception (``nn.intercept_methods``), however it is reached: ``init`` / ``apply``, a bound
 module, a submodule of another model, ``nn.tabulate``, lifted transforms. On entry, an abstract
 pass (``jax.eval_shape`` of the same method on a copy of the module) finds the model's layers

@@ -62,6 +62,7 @@ from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
 from jaxmx._src.training.higher_order import first_order_only
+from jaxmx._src.training.remat import opaque, presented_as_dot
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
 RHS_COLWISE = "jaxmx_rhs_colwise"
@@ -126,6 +127,9 @@ def dot_general(
         lhs.dtype,
         rhs.dtype,
         tuple(problems.values()),
+        dims.out_shape(lhs.shape, rhs.shape),
+        len(dims.lhs_batch),
+        dims.gemm_shape(lhs.shape, rhs.shape),
         rhs_k_first=_keeps_k_first(dims, rhs.ndim, recipe),
     )
     mesh, out_spec = _explicit_layout(lhs, rhs, dims)
@@ -171,13 +175,9 @@ def _canonical_dot(static: _Static, dims: _Dims, lhs, rhs, key):
     """``lax.dot_general``'s result via the custom-VJP GEMM on ``[B, M, K]`` and ``[B, N, K]``
     (or ``[B, K, N]``, see :func:`_keeps_k_first`), its legs reported to the active observer
     (:func:`~jaxmx._src.training.scope.observe`)."""
-    batch_shape = tuple(lhs.shape[d] for d in dims.lhs_batch)
-    m_shape = tuple(lhs.shape[d] for d in dims.lhs_free)
-    n_shape = tuple(rhs.shape[d] for d in dims.rhs_free)
     x, w = _canonical_operands(dims, lhs, rhs, static.rhs_k_first)
     static, tap = _observed(static, x, w)
-    y = _mx_bmm(static, x, w, key, tap)
-    return y.reshape(batch_shape + m_shape + n_shape)
+    return _mx_bmm(static, x, w, key, tap)
 
 
 def _observed(static: _Static, x, w) -> tuple[_Static, object]:
@@ -242,6 +242,9 @@ class _Static(NamedTuple):
     lhs_dtype: jnp.dtype  # the gradients' dtypes
     rhs_dtype: jnp.dtype
     training_problems: tuple[str, ...]  # block misalignments that only a gradient runs into
+    out_shape: tuple[int, ...]  # lax.dot_general's result: batch, lhs free, rhs free dims
+    n_batch: int  # the number of batch dimensions of dimension_numbers
+    gemm_shape: tuple[int, int, int]  # [B, M, N]: the canonical GEMM's result
     rhs_k_first: bool = False  # w is [B, K, N] instead of [B, N, K]
     observe_grad: Callable | None = None  # a scope.Tap's backward: (dgrad leg, wgrad leg) -> ct
 
@@ -282,14 +285,26 @@ class _Dims(NamedTuple):
         rf = tuple(d for d in range(len(rhs_shape)) if d not in rc + rb)
         return cls(lc, rc, lb, rb, lf, rf)
 
+    def out_shape(self, lhs_shape, rhs_shape) -> tuple[int, ...]:
+        """``lax.dot_general``'s result shape: batch, lhs free, then rhs free dimensions."""
+        lhs_dims = self.lhs_batch + self.lhs_free
+        return tuple(lhs_shape[d] for d in lhs_dims) + tuple(rhs_shape[d] for d in self.rhs_free)
+
+    def gemm_shape(self, lhs_shape, rhs_shape) -> tuple[int, int, int]:
+        """[B, M, N]: the canonical GEMM's result (batch, free dimensions each merged)."""
+        b = math.prod(lhs_shape[d] for d in self.lhs_batch)
+        m = math.prod(lhs_shape[d] for d in self.lhs_free)
+        return b, m, math.prod(rhs_shape[d] for d in self.rhs_free)
+
 
 # --- the custom-VJP core on canonical operands x [B, M, K], w [B, N, K] or [B, K, N] --------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _mx_bmm(static: _Static, x, w, key, tap):
-    """The GEMM; ``tap`` (``None``, or an observer's :class:`~jaxmx._src.training.scope.Tap`
-    value) is unused here: its cotangent carries what the observer records of the backward."""
+    """The GEMM, shaped as ``lax.dot_general``'s result (``static.out_shape``); ``tap``
+    (``None``, or an observer's :class:`~jaxmx._src.training.scope.Tap` value) is unused here:
+    its cotangent carries what the observer records of the backward."""
     y, _ = _forward(static, x, w, key, training=False)
     return y
 
@@ -305,9 +320,9 @@ def _forward(static: _Static, x, w, key, training: bool):
         scope.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
-    along_k, along_n = _weight_axes(static)
-    w_fwd = _tiled(w, r.fwd, r) if r.weight_tile else _Operand(w, r.fwd, along_k)
-    y = _gemm(r, _Operand(x, r.fwd, -1), w_fwd, static.out_dtype)
+    along_n = _weight_axes(static)[1]
+    w_fwd = _tiled(w, r.fwd, r) if r.weight_tile else w
+    y = _fprop(static, x, w_fwd)
     if not training:
         return y, None
     if r.residuals == "quantized":
@@ -323,10 +338,27 @@ def _forward(static: _Static, x, w, key, training: bool):
     return y, (saved, key)
 
 
+def _fprop(static: _Static, x, w):
+    """The forward GEMM of ``x`` [B, M, K] and ``w`` (high precision, or the tiled weight) as
+    remat policies see a stock ``lax.dot_general``: the kernels as one opaque equation (no inner
+    dot of theirs is saved), the result ``static.out_shape`` through a dot with the stock
+    GEMM's batch dimensions and output dtype (:mod:`jaxmx._src.training.remat`)."""
+    r = static.recipe
+
+    def gemm(x, w):
+        along_k = _weight_axes(static)[0]
+        rhs = w if isinstance(w, MXArray) else _Operand(w, r.fwd, along_k)
+        return _gemm(r, _Operand(x, r.fwd, -1), rhs, static.out_dtype)
+
+    y = opaque(gemm, x, w).reshape(static.out_shape)
+    return presented_as_dot(y, static.n_batch)
+
+
 def _mx_bmm_bwd(static: _Static, residuals, g):
     r = static.recipe
     (x_saved, w_saved), key = residuals
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
+    g = g.reshape(static.gemm_shape)
     if r.residuals == "quantized":
         x_col, w_col = x_saved, w_saved
     else:

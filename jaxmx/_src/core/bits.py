@@ -18,6 +18,8 @@ import contextvars
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx._src.core.dtypes import as_array
+
 MANTISSA_BITS = 23
 MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
 EXPONENT_BIAS = 127
@@ -57,7 +59,7 @@ def as_bytes(x: jnp.ndarray, what: str = "array", dtypes=BYTE_DTYPES) -> jnp.nda
 
     ``dtypes`` restricts what is accepted (default: any of :data:`BYTE_DTYPES`).
     """
-    x = jnp.asarray(x)
+    x = as_array(x, what)
     if x.dtype not in dtypes:
         names = ", ".join(d.name for d in dtypes)
         raise TypeError(f"{what} must have an 8-bit dtype ({names}), got {x.dtype}")

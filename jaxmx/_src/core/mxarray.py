@@ -39,7 +39,7 @@ def register_pytree(cls):
 
     def unflatten(aux, children):
         x = object.__new__(cls)
-        for name, value in (*zip(static, aux), *zip(leaves, children)):
+        for name, value in (*zip(static, aux, strict=True), *zip(leaves, children, strict=True)):
             object.__setattr__(x, name, value)
         return x
 
@@ -93,7 +93,7 @@ class MXArray:
 
     def __post_init__(self):
         fields = checked_fields(self, "MXArray")
-        for name, value in zip(("fmt", "axis", "shape", "tile"), fields):
+        for name, value in zip(("fmt", "axis", "shape", "tile"), fields, strict=True):
             object.__setattr__(self, name, value)
 
     @property

@@ -39,3 +39,20 @@ def test_encode_matches_ml_dtypes_on_grid_points_ties_and_random_values(
     np.testing.assert_array_equal(got, values.astype(dtype).view(np.uint8))
     nan = np.asarray(jax.jit(lambda v: _bits.encode_fp8(v, mbits, emin))(np.float32([np.nan])))
     assert np.isnan(nan.view(dtype).astype(np.float32)).all()
+
+
+def test_ldexp_rounded_is_the_exact_product_rounded_once():
+    """Random normal and subnormal float32 times 2^k, against numpy's float64 product rounded
+    once to float32 (numpy keeps subnormals); ties and carries into 2^-126 included."""
+    rng = np.random.default_rng(0)
+    normal = rng.standard_normal(4000) * np.ldexp(1.0, rng.integers(-60, 60, 4000))
+    sub = rng.integers(1, 2**23, 1000).astype(np.uint32) | (rng.integers(0, 2, 1000) << 31)
+    edge = [0.0, -0.0, np.inf, -np.inf, np.nan, 5.0, 3.0, 2.0**24 - 1, 1.5, -2.5]
+    x = np.concatenate([normal.astype(np.float32), sub.astype(np.uint32).view(np.float32)])
+    x = np.concatenate([x, np.array(edge, np.float32)])
+    k = rng.integers(-300, 300, x.size).astype(np.int32)
+    k[-5:] = [-151, -150, -149 - 24, -150, -150]  # 1.25, 1.5 (tie up), carry, 0.75, 1.25 units
+    with np.errstate(over="ignore"):
+        want = (x.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
+    got = np.asarray(_bits.ldexp_rounded(x, k))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

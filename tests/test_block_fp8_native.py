@@ -114,7 +114,10 @@ def test_batch_dims_and_vmap_agree_with_single_calls():
     qa = operand(key[0], 40, 256, E4, batch=(3,))
     qb = operand(key[1], 128, 256, E4, TILE, batch=(3,))
     mm = lambda p, q: ffi.block_fp8_matmul(p, q, jnp.float32)
-    part = lambda q, i: jax.tree.map(lambda t: t[i], q)
+
+    def part(q, i):  # element i of the leading batch dim, as an MXArray of its own
+        return jaxmx.MXArray(q.data[i], q.scale[i], q.fmt, q.axis - 1, q.shape[1:], q.tile)
+
     single = np.stack([mm(part(qa, i), part(qb, i)) for i in range(3)])
     np.testing.assert_allclose(mm(qa, qb), single, rtol=1e-6)
     np.testing.assert_allclose(jax.jit(jax.vmap(mm))(qa, qb), single, rtol=1e-6)

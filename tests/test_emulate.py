@@ -93,3 +93,42 @@ def test_every_element_reaches_the_gemm_exactly(name, fmt):
     identity = mx(np.eye(k), np.full((k, 2), 127), fmt, name)
     got = np.asarray(jaxmx.matmul(a, identity, jnp.float32, backend="emulate"), np.float64)
     np.testing.assert_array_equal(got, exact_mx_product(a, identity))
+
+
+# (a code, b code, a scale byte, b scale byte): e4m3 subnormal codes (2^-9, 3 * 2^-9) and scales
+# as small as 2^-127; each exact result is a float32 subnormal or underflows to zero, some of
+# them between two subnormals (4.375 and 2.5, a tie, units of 2^-149).
+TINY = [
+    (2.0**-9, 2.0**-9, 60, 60),
+    (3 * 2.0**-9, 7 * 2.0**-9, 60, 60),
+    (448.0, 2.0**-9, 60, 60),
+    (2.0**-9, 2.0**-9, 0, 127),
+    (3 * 2.0**-9, 7 * 2.0**-9, 0, 127),
+    (1.75, 1.25, 50, 50),
+    (1.25, 1.0, 50, 51),
+    (2.0**-9, 2.0**-9, 10, 10),
+    (2.0**-9, 2.0**-9, 0, 0),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", TINY)
+def test_subnormal_results_are_the_exact_product_rounded_once(backend, case):
+    a_code, b_code, a_byte, b_byte = case
+    a = mx(np.full((2, 32), a_code), [[a_byte], [a_byte]])
+    b = mx(np.full((3, 32), b_code), [[b_byte]] * 3)
+    want = exact_mx_product(a, b).astype(np.float32)  # numpy rounds once, subnormals kept
+    got = np.asarray(jaxmx.matmul(a, b, jnp.float32, backend=backend))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_ffi_and_emulate_agree_on_subnormal_results_of_several_blocks():
+    """Each block's result is a float32 subnormal, exact: both backends give their sum."""
+    codes = np.full((2, 96), 2.0**-9)
+    a = mx(codes, [[40, 60, 127], [60, 61, 0]])
+    b = mx(codes[:1], [[80, 60, 0]])
+    want = exact_mx_product(a, b).astype(np.float32)
+    assert (np.abs(want) < np.finfo(np.float32).tiny).all() and (want != 0).all()
+    for backend in BACKENDS:
+        got = np.asarray(jaxmx.matmul(a, b, jnp.float32, backend=backend))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -340,12 +340,13 @@ def test_python_side_errors():
         ffi.mx_matmul(quantize(jnp.ones((2, 4, 64))), quantize(jnp.ones((3, 4, 64))))
     with pytest.raises(TypeError, match="out_dtype"):
         ffi.mx_matmul(a, a, jnp.int32)
-    odd = MXArray(jnp.zeros((4, 40), jnp.float8_e4m3fn), a.scale, E4M3, 1, (4, 40))
-    with pytest.raises(ValueError, match=r"holds codes of shape \(4, 64\)"):  # K padded to 64
-        ffi.mx_matmul(odd, odd)
-    wrong = MXArray(a.data.astype(jnp.float8_e5m2), a.scale, E4M3, 1, (4, 64))
+    odd = (jnp.zeros((4, 40), jnp.float8_e4m3fn), a.scale)
+    with pytest.raises(ValueError, match=r"mx_matmul: a: .* holds codes of shape \(4, 64\)"):
+        ffi.mx_matmul(jax.tree.unflatten(jax.tree.structure(a), odd), a)  # K padded to 64
+    with pytest.raises(ValueError, match=r"holds codes of shape \(4, 64\)"):
+        MXArray(*odd, E4M3, 1, (4, 40))
     with pytest.raises(TypeError, match="holds float8_e4m3fn codes, got float8_e5m2"):
-        ffi.mx_matmul(wrong, a)
+        MXArray(a.data.astype(jnp.float8_e5m2), a.scale, E4M3, 1, (4, 64))
     x8 = jnp.ones((4, 32), jnp.float8_e4m3fn)
     with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
         ffi.fp8_matmul(jnp.ones((4, 32)), x8, 1.0, 1.0)

@@ -68,3 +68,20 @@ def test_traced_values_are_left_unchecked():
     sizes = jnp.array([2, 4])
     y = jax.jit(lambda s: jaxmx.ragged_dot(jnp.ones((6, 64)), jnp.ones((2, 64, 8)), s))(sizes)
     assert y.shape == (6, 8)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: jaxmx.quantize_rowwise_colwise(None), "quantize_rowwise_colwise: x must be"),
+        (lambda: jaxmx.swizzle_scales(None), "swizzle_scales: scales must be an array"),
+        (lambda: jaxmx.unswizzle_scales(None, 4, 4), "unswizzle_scales: buf must be an array"),
+        (
+            lambda: jaxmx.ragged_dot(jnp.ones((4, 64)), jnp.ones((2, 64, 8)), None),
+            r"jaxmx\.ragged_dot: group_sizes must be an array",
+        ),
+    ],
+)
+def test_none_arrays_of_the_other_entry_points_are_named(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()

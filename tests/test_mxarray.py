@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import jaxmx
+from jaxmx._src.core.grid_array import GridArray
+from jaxmx._src.quantize.fake import quantize_to_grid
 
 BACKENDS = ("emulate", "ffi")
 
@@ -43,14 +45,58 @@ BROKEN = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("what", sorted(BROKEN))
-def test_inconsistent_mxarrays_raise_on_every_consumer(backend, what):
+def test_inconsistent_mxarrays_raise_on_construction(what):
     error, breaks = BROKEN[what]
+    with pytest.raises(error, match=r"MXArray|format"):
+        breaks(good())
+
+
+def rebuilt(q, data, scale):
+    """``q``'s static fields over other leaves, as a pytree unflatten builds it (unchecked)."""
+    return jax.tree.unflatten(jax.tree.structure(q), [data, scale])
+
+
+BROKEN_LEAVES = {
+    "scales of the wrong shape": (ValueError, lambda q: rebuilt(q, q.data, q.scale[:, :1])),
+    "codes of the wrong shape": (ValueError, lambda q: rebuilt(q, q.data[:, :32], q.scale)),
+    "one row of codes": (ValueError, lambda q: rebuilt(q, q.data[0], q.scale[0])),
+    "scales that are not E8M0": (TypeError, lambda q: rebuilt(q, q.data, q.scale.view(jnp.uint8))),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("what", sorted(BROKEN_LEAVES))
+def test_inconsistent_leaves_raise_on_every_consumer(backend, what):
+    error, breaks = BROKEN_LEAVES[what]
     q = breaks(good())
     for consume in consumers(backend):
-        with pytest.raises(error, match=r"MXArray|format"):
+        with pytest.raises(error, match="MXArray"):
             consume(q)
+
+
+def test_one_row_of_codes_for_four_rows_is_refused_but_vmap_still_maps_over_rows():
+    q = jaxmx.quantize(jnp.ones((4, 64)))
+    with pytest.raises(ValueError, match=r"logical shape \(4, 64\).*got codes \(64,\)"):
+        jaxmx.MXArray(q.data[0], q.scale[0], q.fmt, q.axis, (4, 64))
+    with pytest.raises(ValueError, match=r"got codes \(64,\)"):
+        jaxmx.dequantize(rebuilt(q, q.data[0], q.scale[0]))
+    # inside vmap the traced leaves lack the mapped dim: that is accepted
+    rows = jax.vmap(jaxmx.dequantize)(q)
+    np.testing.assert_array_equal(rows, np.ones((4, 64), np.float32))
+    # pytree transforms rebuild MXArrays from leaves that are not arrays: no check there
+    assert jax.tree.leaves(jax.tree.map(lambda x: None, q)) == []
+    sentinel = object()
+    assert jax.tree.leaves(jax.tree.map(lambda x: sentinel, q)) == [sentinel, sentinel]
+    assert jax.eval_shape(lambda q: q, q).data.shape == (4, 64)
+
+
+def test_grid_arrays_check_their_fields():
+    g = quantize_to_grid(jnp.ones((4, 64)))
+    with pytest.raises(ValueError, match=r"GridArray: .*got codes \(64,\)"):
+        GridArray(g.data[0], g.scale[0], g.fmt, g.axis, (4, 64))
+    with pytest.raises(TypeError, match="GridArray: an mxfp8_e4m3 GridArray holds float32 values"):
+        GridArray(g.data.astype(jnp.bfloat16), g.scale, g.fmt, g.axis, g.shape)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -250,3 +250,27 @@ def test_bad_impl(monkeypatch):
     with pytest.raises(ValueError, match="impl='pallas' runs on CUDA GPUs"):
         jaxmx.quantize(x, impl="pallas")
     jaxmx.quantize(x, impl="auto")  # XLA there
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block"])
+@pytest.mark.parametrize("shape, axis", [((0, 64), 1), ((0, 64), 0), ((4, 0), 1), ((0,), 0)])
+def test_empty_inputs_quantize_like_xla(fmt, shape, axis):
+    block = jaxmx.FORMATS[fmt].block
+    padded = list(shape)
+    padded[axis] = -(-shape[axis] // block) * block
+    blocks = list(padded)
+    blocks[axis] //= block
+    q = jaxmx.quantize(jnp.zeros(shape), fmt, axis=axis, impl="pallas")
+    assert q.data.shape == tuple(padded) and q.scale.shape == tuple(blocks)
+    _same_bytes(q, jaxmx.quantize(jnp.zeros(shape), fmt, axis=axis, impl="xla"))
+    assert jaxmx.dequantize(q).shape == shape
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0)])
+def test_empty_rowwise_colwise_like_xla(shape):
+    copies = jaxmx.quantize_rowwise_colwise(jnp.zeros(shape), impl="pallas")
+    assert jaxmx.dequantize(copies.row).shape == shape
+    assert jaxmx.dequantize(copies.col_t).shape == shape[::-1]
+    _same_bytes(copies, jaxmx.quantize_rowwise_colwise(jnp.zeros(shape), impl="xla"))
+    tiled = jaxmx.quantize(jnp.zeros(shape), tile=(32, 32), impl="pallas")
+    assert jaxmx.dequantize(tiled).shape == shape

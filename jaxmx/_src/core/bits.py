@@ -18,6 +18,8 @@ import contextvars
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx._src.core.dtypes import as_array
+
 MANTISSA_BITS = 23
 MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
 EXPONENT_BIAS = 127
@@ -57,7 +59,7 @@ def as_bytes(x: jnp.ndarray, what: str = "array", dtypes=BYTE_DTYPES) -> jnp.nda
 
     ``dtypes`` restricts what is accepted (default: any of :data:`BYTE_DTYPES`).
     """
-    x = jnp.asarray(x)
+    x = as_array(x, what)
     if x.dtype not in dtypes:
         names = ", ".join(d.name for d in dtypes)
         raise TypeError(f"{what} must have an 8-bit dtype ({names}), got {x.dtype}")
@@ -155,6 +157,35 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     out = jnp.where(new_exponent >= 1, normal, subnormal)
     out = jnp.where(new_exponent >= 0xFF, sign | 0x7F800000, out)
     passthrough = (exponent == 0) | (exponent == 0xFF)  # zeros, NaN and inf elements
+    return from_bits(jnp.where(passthrough, bits, out))
+
+
+def ldexp_rounded(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+    """``x * 2**k`` in float32 rounded once to nearest even, subnormal results included.
+
+    ``x`` is any float32 (zeros, NaN and infinities pass through), ``k`` an integer; a result
+    past float32's range is inf. Built from the bits, so XLA:CPU does not flush: e.g.
+    ``5 * 2^-151`` (1.25 units of the smallest subnormal) gives ``2^-149``, where the float
+    product would be zero there.
+    """
+    bits = to_bits(x)
+    sign = bits & jnp.int32(-(2**31))
+    exponent = (bits >> MANTISSA_BITS) & 0xFF
+    significand = (bits & MANTISSA_MASK) | jnp.where(exponent > 0, 1 << MANTISSA_BITS, 0)
+    # a subnormal x, normalized: the leading bit moved to bit 23, the exponent lowered to match
+    lead = jnp.maximum(lax.clz(significand) - (31 - MANTISSA_BITS), 0)
+    significand = significand << lead
+    new_exponent = jnp.maximum(exponent, 1) - lead + k
+    field = jnp.clip(new_exponent, 1, 0xFE) << MANTISSA_BITS
+    normal = sign | field | (significand & MANTISSA_MASK)
+    s = jnp.clip(1 - new_exponent, 1, 26)  # the right shift into the subnormal range
+    q = significand >> s
+    rest = significand & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(jnp.int32)
+    out = jnp.where(new_exponent >= 1, normal, sign | q)  # a carry to 2^23 is 2^-126: right
+    out = jnp.where(new_exponent > 0xFE, sign | 0x7F800000, out)
+    passthrough = (exponent == 0xFF) | ((bits & 0x7FFFFFFF) == 0)
     return from_bits(jnp.where(passthrough, bits, out))
 
 

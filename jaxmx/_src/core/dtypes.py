@@ -26,11 +26,16 @@ def check_float_dtype(dtype, what: str) -> jnp.dtype:
     return dt
 
 
-def as_float_array(x, what: str):
-    """``jnp.asarray(x)`` if it is a float32, bfloat16 or float16 array, else a TypeError."""
+def as_array(x, what: str):
+    """``jnp.asarray(x)``, or a TypeError naming ``what`` for what is not an array (``None``)."""
     try:
-        array = jnp.asarray(x)
+        return jnp.asarray(x)
     except (TypeError, ValueError):
         raise TypeError(f"{what} must be an array, got {type(x).__name__}") from None
+
+
+def as_float_array(x, what: str):
+    """``jnp.asarray(x)`` if it is a float32, bfloat16 or float16 array, else a TypeError."""
+    array = as_array(x, what)
     check_float_dtype(array.dtype, f"{what}'s dtype")
     return array

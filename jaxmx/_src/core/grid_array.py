@@ -18,17 +18,18 @@ import dataclasses
 
 import jax
 
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, checked_fields, register_pytree
 
 
-@jax.tree_util.register_dataclass
+@register_pytree
 @dataclasses.dataclass(frozen=True)
 class GridArray:
     """An MX quantization held as element values instead of codes (fields as :class:`MXArray`).
 
     ``data`` is float32, shaped like an MXArray's codes (padded along ``axis``, padding zero),
     each element the decoded value of its code: on the element grid, within ``±elem_max``.
-    ``scale`` holds the E8M0 block scales. Only jaxmx's emulated GEMM consumes it.
+    ``scale`` holds the E8M0 block scales. Only jaxmx's emulated GEMM consumes it. The
+    constructor checks the fields against each other as :class:`MXArray`'s does.
     """
 
     data: jax.Array
@@ -36,6 +37,11 @@ class GridArray:
     fmt: str = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    def __post_init__(self):
+        fmt, axis, shape, _ = checked_fields(self, "GridArray")
+        for name, value in (("fmt", fmt), ("axis", axis), ("shape", shape)):
+            object.__setattr__(self, name, value)
 
     format = MXArray.format
     ndim = MXArray.ndim

@@ -21,7 +21,33 @@ from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import Format, get_format
 
 
-@jax.tree_util.register_dataclass
+def register_pytree(cls):
+    """Registers the frozen dataclass ``cls`` as a pytree (its non-static fields the leaves,
+    keyed by name) whose unflatten skips ``__init__``: JAX transforms rebuild it from leaves
+    that are not arrays (``None``, sentinels) or lack the leading dims ``vmap`` took off, which
+    the constructor's checks would refuse. Consumers check what they get (:func:`checked`)."""
+    fields = dataclasses.fields(cls)
+    leaves = tuple(f.name for f in fields if not f.metadata.get("static", False))
+    static = tuple(f.name for f in fields if f.metadata.get("static", False))
+
+    def flatten_with_keys(x):
+        children = [(jax.tree_util.GetAttrKey(n), getattr(x, n)) for n in leaves]
+        return children, tuple(getattr(x, n) for n in static)
+
+    def flatten(x):
+        return [getattr(x, n) for n in leaves], tuple(getattr(x, n) for n in static)
+
+    def unflatten(aux, children):
+        x = object.__new__(cls)
+        for name, value in (*zip(static, aux, strict=True), *zip(leaves, children, strict=True)):
+            object.__setattr__(x, name, value)
+        return x
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+@register_pytree
 @dataclasses.dataclass(frozen=True)
 class MXArray:
     """A tensor quantized in blocks along one axis, or in 2-D tiles of its last two axes.
@@ -41,9 +67,20 @@ class MXArray:
         global_scale: NVFP4 only: the float32 per-tensor scale ``g`` (a value is
             ``code * scale * g``), shape ``()``; ``None`` for every other format.
 
-    Under ``vmap`` the leaves may carry extra leading dimensions that ``shape`` does not list.
-    Every jaxmx function that consumes an MXArray checks it first (:func:`checked`), so a
-    hand-built one with inconsistent fields raises instead of giving wrong numbers.
+    Under ``vmap`` the leaves may carry extra leading dimensions that ``shape`` does not list
+    (the same for codes and scales), and traced leaves may lack leading dimensions that it
+    lists (an MXArray built outside ``vmap`` and mapped over). The constructor checks the
+    fields against each other and raises a TypeError or ValueError naming the one at fault;
+    every jaxmx function that consumes an MXArray checks it again (:func:`checked`), so one
+    rebuilt from other leaves raises instead of giving wrong numbers.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmx
+        >>> q = jaxmx.quantize(jnp.ones((4, 64)))
+        >>> jaxmx.MXArray(q.data[0], q.scale[0], q.fmt, q.axis, (4, 64))
+        Traceback (most recent call last):
+        ...
+        ValueError: MXArray: an MXArray of logical shape (4, 64) ... got codes (64,) and scales (2,)
     """
 
     data: jax.Array
@@ -53,6 +90,11 @@ class MXArray:
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     global_scale: jax.Array | None = None
+
+    def __post_init__(self):
+        fields = checked_fields(self, "MXArray")
+        for name, value in zip(("fmt", "axis", "shape", "tile"), fields, strict=True):
+            object.__setattr__(self, name, value)
 
     @property
     def format(self) -> Format:
@@ -128,66 +170,97 @@ def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
 
 
 def checked(q, where: str) -> MXArray:
-    """``q`` with ``jax.Array`` leaves, after checking that its fields agree with each other.
+    """``q`` with ``jax.Array`` leaves, after checking that its fields agree with each other
+    (:func:`checked_fields`; a TypeError or ValueError naming ``where`` and the field at fault).
 
-    Raises a TypeError or ValueError naming ``where`` and the field at fault: the format, the
-    axis, the logical shape, the dtypes of codes and scales, and the shapes of codes and scales
-    (which may have extra leading dimensions, the same for both, as under ``vmap``).
+    ``q`` may come from a pytree unflatten, which skips the constructor's checks.
     """
     if not isinstance(q, MXArray):
         raise TypeError(f"{where}: expected an MXArray, got {type(q).__name__}")
+    fmt, axis, shape, tile = checked_fields(q, where)
+    g = None if q.global_scale is None else jnp.asarray(q.global_scale)
+    return MXArray(jnp.asarray(q.data), jnp.asarray(q.scale), fmt, axis, shape, tile, g)
+
+
+def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | None]:
+    """``(format name, axis, shape, tile)`` of the MXArray (or GridArray) ``q`` after checking
+    that its fields agree with each other, else a TypeError or ValueError naming ``where`` and
+    the field at fault: the format, the axis, the logical shape, the dtypes of codes and scales,
+    and the shapes of codes and scales (which may have extra leading dimensions, the same for
+    both, as under ``vmap``; traced leaves may also lack leading dimensions, as inside ``vmap``).
+
+    A GridArray (no ``tile``, no ``global_scale``) holds float32 element values, not codes.
+    """
     f = get_format(q.fmt)
     shape = _shape(q.shape, where)
     if isinstance(q.axis, bool) or not _is_index(q.axis) or not 0 <= q.axis < len(shape):
         raise ValueError(f"{where}: MXArray axis {q.axis!r} is not an axis of shape {shape}")
-    data, scale = jnp.asarray(q.data), jnp.asarray(q.scale)
-    if data.dtype != f.dtype:
-        raise TypeError(f"{where}: an {f.name} MXArray holds {f.dtype} codes, got {data.dtype}")
-    if scale.dtype != f.scale_dtype:
+    axis = operator.index(q.axis)
+    data_shape, data_dtype = _shape_and_dtype(q.data, "data", where)
+    scale_shape_, scale_dtype = _shape_and_dtype(q.scale, "scale", where)
+    elements, held = (f.dtype, "codes") if isinstance(q, MXArray) else (jnp.float32, "values")
+    if data_dtype != elements:
         raise TypeError(
-            f"{where}: {f.name} MXArray scales must be {f.scale_dtype}, got {scale.dtype}"
+            f"{where}: an {f.name} {type(q).__name__} holds {jnp.dtype(elements)} {held}, got "
+            f"{data_dtype}"
         )
-    tile = check_tile(q.tile, len(shape), where)
-    if tile is not None and q.axis != len(shape) - 1:
-        raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {q.axis}")
-    want_data = padded_shape(shape, q.axis, f.block, tile)
-    want_scale = scale_shape(shape, q.axis, f.block, tile)
-    # Under vmap the leaves gain leading dims, or lose the logical shape's leading dims (an
-    # MXArray built outside and vmapped over): compare the trailing dims, block axis included.
-    n = min(data.ndim, len(shape))
+    if scale_dtype != f.scale_dtype:
+        raise TypeError(
+            f"{where}: {f.name} MXArray scales must be {f.scale_dtype}, got {scale_dtype}"
+        )
+    tile = check_tile(getattr(q, "tile", None), len(shape), where)
+    if tile is not None and axis != len(shape) - 1:
+        raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {axis}")
+    want_data = padded_shape(shape, axis, f.block, tile)
+    want_scale = scale_shape(shape, axis, f.block, tile)
+    # Under vmap the leaves gain leading dims, or, traced, lose the logical shape's leading dims
+    # (an MXArray built outside and vmapped over): compare the trailing dims, block axis included.
+    ndim = len(data_shape)
+    n = min(ndim, len(shape))
+    traced = any(isinstance(x, jax.core.Tracer) for x in (q.data, q.scale))
     consistent = (
-        len(shape) - q.axis <= n  # the block axis is among the leaves' dims
-        and data.ndim == scale.ndim
-        and data.shape[: data.ndim - n] == scale.shape[: scale.ndim - n]
-        and data.shape[data.ndim - n :] == want_data[len(shape) - n :]
-        and scale.shape[scale.ndim - n :] == want_scale[len(shape) - n :]
+        (ndim >= len(shape) or traced)
+        and len(shape) - axis <= n  # the block axis is among the leaves' dims
+        and ndim == len(scale_shape_)
+        and data_shape[: ndim - n] == scale_shape_[: ndim - n]
+        and data_shape[ndim - n :] == want_data[len(shape) - n :]
+        and scale_shape_[ndim - n :] == want_scale[len(shape) - n :]
     )
     if not consistent:
         raise ValueError(
-            f"{where}: an MXArray of logical shape {shape} blocked along axis {q.axis}"
+            f"{where}: an MXArray of logical shape {shape} blocked along axis {axis}"
             f"{f' in {tile} tiles' if tile else ''} holds "
             f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
-            f"leading batch dims), got codes {data.shape} and scales {scale.shape}"
+            f"leading batch dims), got codes {data_shape} and scales {scale_shape_}"
         )
-    global_scale = _checked_global_scale(q.global_scale, f, data.shape[: data.ndim - n], where)
-    return MXArray(data, scale, f.name, q.axis, shape, tile, global_scale)
+    if isinstance(q, MXArray):
+        _check_global_scale(q.global_scale, f, data_shape[: ndim - n], where)
+    return f.name, axis, shape, tile
 
 
-def _checked_global_scale(g, f: Format, batch: tuple[int, ...], where: str):
-    """``g`` as a float32 array shaped like the leaves' extra leading dims (NVFP4), or None."""
+def _shape_and_dtype(x, name: str, where: str) -> tuple[tuple[int, ...], jnp.dtype]:
+    """``(shape, dtype)`` of an array-like leaf (a jax or numpy array, a tracer, a
+    ``jax.ShapeDtypeStruct``), or a TypeError naming the field ``name``."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{where}: MXArray {name} must be an array, got {type(x).__name__}")
+    return tuple(x.shape), jnp.dtype(x.dtype)
+
+
+def _check_global_scale(g, f: Format, batch: tuple[int, ...], where: str) -> None:
+    """NVFP4: ``g`` must be float32, shaped like the leaves' extra leading dims; other formats:
+    ``None``."""
     if not f.has_global_scale:
         if g is not None:
             raise ValueError(f"{where}: an {f.name} MXArray has no global_scale, got one")
-        return None
+        return
     if g is None:
         raise ValueError(f"{where}: an {f.name} MXArray needs its float32 global_scale, got None")
-    g = jnp.asarray(g)
-    if g.dtype != jnp.float32 or g.shape != batch:
+    shape, dtype = _shape_and_dtype(g, "global_scale", where)
+    if dtype != jnp.float32 or shape != batch:
         raise TypeError(
             f"{where}: an {f.name} MXArray's global_scale must be float32 of shape {batch}, got "
-            f"{g.dtype}{g.shape}"
+            f"{dtype}{shape}"
         )
-    return g
 
 
 def check_tile(tile, ndim: int, where: str) -> tuple[int, int] | None:

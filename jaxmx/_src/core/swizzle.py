@@ -33,7 +33,7 @@ SWIZZLED_DTYPES = (*bits.SCALE_DTYPES, jnp.dtype(jnp.float8_e4m3fn))
 def swizzle_scales(scale: jax.Array) -> jax.Array:
     """Compact [..., R, C] E8M0 or E4M3 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile
     order."""
-    s = bits.as_bytes(scale, "scales", SWIZZLED_DTYPES)
+    s = bits.as_bytes(scale, "swizzle_scales: scales", SWIZZLED_DTYPES)
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
     *batch, rows, cols = s.shape
@@ -55,7 +55,7 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
     for name, n in (("rows", rows), ("cols", cols)):
         if n < 0:
             raise ValueError(f"unswizzle_scales: {name} must be non-negative, got {n}")
-    b = bits.as_bytes(buf, "a swizzled scale buffer", SWIZZLED_DTYPES)
+    b = bits.as_bytes(buf, "unswizzle_scales: buf", SWIZZLED_DTYPES)
     rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:
         raise ValueError(

@@ -7,10 +7,12 @@ multiplied by an element), each row of each operand is decoded relative to its o
 ``2^s`` (its values are then at most ``elem_max``) and the result is multiplied by
 ``2^(s_a + s_b)`` at the end: exact powers of two, so results are unchanged wherever the plain
 decode was representable, and finite wherever the exact result is (e.g. a block at ``2^128``
-times one at ``2^-100``). What is left: a product of two blocks that lie, together, more than
-about ``2^100`` below their rows' largest blocks can round to zero, and on XLA:CPU (which flushes
-float32 subnormals) subnormal results become zero. The native GEMM keeps both. Codes in the
-padding of a K that is not a multiple of the block are ignored, whatever they hold.
+times one at ``2^-100``). The shift is applied to the float32 bits with one rounding to nearest
+even, so a result in float32's subnormal range is kept (XLA:CPU would flush the float product)
+and equals the native GEMM's bit for bit where the float32 dot is exact (e.g. one block of K).
+What is left: a product of two blocks that lie, together, more than about ``2^100`` below their
+rows' largest blocks can round to zero (the native GEMM keeps it). Codes in the padding of a K
+that is not a multiple of the block are ignored, whatever they hold.
 
 NVFP4 operands (:mod:`jaxmx._src.quantize.nvfp4`) enter the dot as ``code * s`` (exact: at most 6
 significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
@@ -68,8 +70,7 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
         preferred_element_type=jnp.float32,
     )
     shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-    half = shift // 2  # two exact factors: each within float32's exponent range
-    out = out * bits.pow2(half) * bits.pow2(shift - half)
+    out = bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
     return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
 
 

@@ -57,8 +57,9 @@ def check_pallas_tile(tile: tuple[int, int]) -> tuple[int, int]:
 
 def dispatch(impl: str, xla, pallas, x):
     """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as a checked
-    ``impl`` (:func:`check_impl`) says."""
-    if impl in ("xla", "auto"):
+    ``impl`` (:func:`check_impl`) says. An empty ``x`` has no tile for a kernel to read: it
+    takes ``xla(x)``, whose empty codes and scales are the ones the kernels would write."""
+    if impl in ("xla", "auto") or x.size == 0:
         return xla(x)
     compiled = functools.partial(pallas, interpret=False)
     interpreted = functools.partial(pallas, interpret=True)

@@ -237,7 +237,7 @@ def quantize_rowwise_colwise(
     """
     f = get_format(fmt)
     scale_mode = check_scale_mode(scale_mode, f)
-    x = jnp.asarray(x)
+    x = as_float_array(x, "quantize_rowwise_colwise: x")
     _check_input(x)
     if swizzled_scales and f.scale_dtype == jnp.float32:
         raise ValueError(

@@ -59,7 +59,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
@@ -102,7 +102,7 @@ def ragged_dot(
         recipe = grouped_recipe(recipe)
     lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
     rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
-    group_sizes = jnp.asarray(group_sizes)
+    group_sizes = as_array(group_sizes, "jaxmx.ragged_dot: group_sizes")
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(
             "jaxmx.ragged_dot: lhs must be [m, k] and rhs [g, k, n] with the same k, got lhs "

@@ -228,7 +228,7 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
         >>> scaled_dot_problem(("mxfp8_e4m3", "mxfp4"), None)
         ''
         >>> scaled_dot_problem(("fp8_e4m3_block",) * 2, "fp32")[:40]
-        'fp8_e4m3_block x fp8_e4m3_block: float3'
+        'fp8_e4m3_block x fp8_e4m3_block: float32'
     """
     fs = [get_format(f) for f in formats]
     names = " x ".join(f.name for f in fs)

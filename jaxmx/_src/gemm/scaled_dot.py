@@ -55,14 +55,18 @@ def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     a_codes, a_scale, a_shift = _operand(a)
     b_codes, b_scale, b_shift = _operand(b)
     batch = tuple(range(a.data.ndim - 2))
-    out = lax.scaled_dot(
-        a_codes,
-        b_codes,
-        lhs_scale=a_scale,
-        rhs_scale=b_scale,
-        dimension_numbers=(((a.data_axis,), (b.data_axis,)), (batch, batch)),
-        preferred_element_type=jnp.float32,
-    )
+    dims = (((a.data_axis,), (b.data_axis,)), (batch, batch))
+    if a.data.shape[a.data_axis] == 0:  # empty K: zeros (lax.scaled_dot divides by K blocks)
+        out = lax.dot_general(a_codes, b_codes, dims, preferred_element_type=jnp.float32)
+    else:
+        out = lax.scaled_dot(
+            a_codes,
+            b_codes,
+            lhs_scale=a_scale,
+            rhs_scale=b_scale,
+            dimension_numbers=dims,
+            preferred_element_type=jnp.float32,
+        )
     return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
 
 

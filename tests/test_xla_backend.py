@@ -193,7 +193,7 @@ def test_forward_and_gradients_equal_the_emulation_bit_for_bit(name):
     Hadamard transform, tiles and stochastic rounding): y, dx and dw."""
     recipe = getattr(recipes, name)
     key = jax.random.key(3) if recipe.grad_rounding == "stochastic" else None
-    args = _layer_inputs()
+    args = _layer_inputs(128)
     got = _step(recipe.replace(backend="xla"), key)(*args)
     want = _step(recipe.replace(backend="emulate"), key)(*args)
     for g, w, what in zip(got, want, ("y", "dx", "dw"), strict=True):

@@ -33,8 +33,8 @@ The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`
 ``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
 quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its
 four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``),
-``backend="ffi"`` and ``backend="xla"`` are refused by name. ``jax.vmap`` may map any of the operands
-(``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
+``backend="ffi"`` and ``backend="xla"`` are refused by name. ``jax.vmap`` may map any of the
+operands (``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
 differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
 :func:`jaxmx.dot_general`.
 

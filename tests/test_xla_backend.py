@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmx
+import jaxmx.flax.linen
 from jaxmx import recipes
 
 TN = (((1,), (1,)), ((), ()))
@@ -219,6 +220,18 @@ def test_einsum_and_attention_take_it():
     q = x.reshape(1, 32, 1, 64)
     attend = lambda recipe: jaxmx.dot_product_attention(q, q, q, recipe=recipe)
     np.testing.assert_array_equal(np.asarray(attend(r)), np.asarray(attend(e)))
+
+
+def test_a_flax_dense_layer_trains_like_the_emulation():
+    x, _, _ = _layer_inputs(64)
+    layer = lambda backend: jaxmx.flax.linen.Dense(
+        32, recipe=recipes.MXFP8.replace(backend=backend)
+    )
+    params = layer("emulate").init(jax.random.key(4), x)
+    grads = {
+        b: jax.grad(lambda p, b=b: layer(b).apply(p, x).sum())(params) for b in ("xla", "emulate")
+    }
+    jax.tree.map(np.testing.assert_array_equal, grads["xla"], grads["emulate"])
 
 
 def test_the_composite_survives_jax_export_of_a_training_step():

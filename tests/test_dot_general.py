@@ -352,7 +352,7 @@ def test_einsum_matches_reference():
         jaxmx.einsum("ij,jk,kl", x, w)
 
 
-@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize("backend", ["emulate", "ffi", "xla"])
 def test_jit_with_captured_constants_matches_jit_with_arguments(backend):
     # XLA's constant folder evaluates computations on captured constants itself and gets bit
     # manipulation of transposed fp8 copies wrong: both ways must agree and match the reference.
@@ -383,7 +383,7 @@ def test_ffi_backend_agrees_with_emulation():
     np.testing.assert_allclose(vmapped[0], ref_value, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize("backend", ["emulate", "ffi", "xla"])
 def test_weights_stored_k_first_are_quantized_in_place(backend):
     """A weight stored [K, N] is never transposed (each copy is quantized along its own axis in
     place) and trains like the same weight stored [N, K]."""
@@ -411,7 +411,7 @@ def test_ffi_backend_lowers_to_the_custom_call():
     assert "jaxmx_mx_matmul" in f.lower(x, w).as_text()
 
 
-@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize("backend", ["emulate", "ffi", "xla"])
 @pytest.mark.parametrize(
     "a_k_first, b_k_first", [(False, False), (True, False), (False, True), (True, True)]
 )
@@ -545,7 +545,7 @@ def test_second_order_derivatives_are_refused_not_zero():
         hessian(jnp.ones((2, 32)))
 
 
-@pytest.mark.parametrize("backend", ["emulate", "ffi"])
+@pytest.mark.parametrize("backend", ["emulate", "ffi", "xla"])
 @pytest.mark.parametrize(("m", "k", "n"), [(0, 64, 8), (4, 0, 8), (4, 64, 0), (0, 0, 0)])
 def test_zero_size_dimensions_give_what_lax_gives(backend, m, k, n):
     recipe = EMULATE.replace(backend=backend)

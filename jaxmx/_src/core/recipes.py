@@ -14,8 +14,11 @@ from typing import Any, NamedTuple
 
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 
-BACKENDS = ("auto", "emulate", "ffi")
+BACKENDS = ("auto", "emulate", "ffi", "xla")
 """The values of ``backend=`` / ``Recipe.backend``."""
+
+EMULATION_ONLY = ("ffi", "xla")
+"""The backends that cannot take a modelled accumulator (``accum_bits``)."""
 
 
 def check_backend(backend: str) -> str:
@@ -74,7 +77,9 @@ class Recipe:
         backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
             (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native
             custom call: cuBLASLt on a CUDA GPU that runs the format's GEMM, MXFP8 and FP4 on
-            Blackwell, block FP8 on Hopper; its C++ twin on the CPU).
+            Blackwell, block FP8 on Hopper; its C++ twin on the CPU) or ``"xla"``
+            (``jax.lax.scaled_dot``, XLA's block-scaled dot, on every platform: MX formats,
+            NVFP4, block FP8 with ``scale_mode="pow2"``; see docs/training_gemm.md).
         residuals: ``"quantized"`` saves only the columnwise MX copies of both operands for the
             backward pass (about 1 byte per element); ``"high_precision"`` saves the inputs and
             quantizes them in the backward pass.
@@ -84,7 +89,7 @@ class Recipe:
         accum_bits: ``None`` (exact products, float32 accumulation) or the bits a modelled
             limited-precision accumulator keeps per 32-product step (14 models Hopper's FP8
             tensor cores, see :mod:`jaxmx._src.gemm.accumulation`). Emulation only: ``"auto"`` then
-            emulates on every platform and ``"ffi"`` is refused.
+            emulates on every platform and ``"ffi"`` and ``"xla"`` are refused.
         promote_every: with ``accum_bits``, promote the partial sum to float32 every this many
             elements of K (a multiple of 32; DeepSeek-V3 uses 128); ``None``: never.
         weight_tile: ``None``, or ``(block, block)`` of ``fwd``'s block: the weight (the rhs of
@@ -133,6 +138,9 @@ class Recipe:
         check_accumulation(
             self.accum_bits, self.promote_every, (fwd, grad), self.backend, where="Recipe"
         )
+        problem = self.backend == "xla" and scaled_dot_problem((fwd, grad), self.scale_mode)
+        if problem:
+            raise ValueError(f"Recipe(backend='xla'): {problem}")
 
     @property
     def accumulation(self) -> Accumulation | None:
@@ -177,8 +185,8 @@ def check_accumulation(
     ValueError names ``where`` (``"Recipe"``, ``"jaxmx.matmul"``...).
 
     The rules: ``promote_every`` needs ``accum_bits``; both within :meth:`Accumulation.check`'s
-    ranges; MX formats only; the emulation only (``backend`` ``"auto"`` or ``"emulate"``; an
-    unknown one is :func:`check_backend`'s ValueError).
+    ranges; MX formats only; the emulation only (``backend`` ``"auto"`` or ``"emulate"``, not
+    :data:`EMULATION_ONLY`'s; an unknown one is :func:`check_backend`'s ValueError).
 
     Example:
         >>> check_accumulation(14, 128, ("mxfp8_e4m3",), "auto", "Recipe")
@@ -198,12 +206,45 @@ def check_accumulation(
     if not all(f.is_mx for f in formats):
         names = " x ".join(f.name for f in formats)
         raise ValueError(f"{where}: accum_bits models MX GEMMs only, got {names}")
-    if check_backend(backend) == "ffi":
+    if check_backend(backend) in EMULATION_ONLY:
         raise ValueError(
             f"{where}: accum_bits models the accumulator in the emulation only; backend "
             f"{backend!r} cannot take it (use 'auto' or 'emulate')"
         )
     return accumulation
+
+
+def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) -> str:
+    """Why ``backend="xla"`` (``jax.lax.scaled_dot``) cannot run a GEMM of ``formats`` as exactly
+    as the emulation does, or ``""``. ``scale_mode``: the rule the operands are quantized with
+    (``None``: they come quantized, their rule unknown).
+
+    It takes pairs of one scale kind and block: MX formats (E8M0 scales, 32-blocks: MXFP8 E4M3 /
+    E5M2, MXFP4) with each other, NVFP4 with NVFP4, and block FP8 whose scales are powers of
+    two (``scale_mode="pow2"``, run as its MXFP8 twin). Float32 block scales are refused:
+    ``lax.scaled_dot``'s decomposition rounds scales to bfloat16.
+
+    Example:
+        >>> scaled_dot_problem(("mxfp8_e4m3", "mxfp4"), None)
+        ''
+        >>> scaled_dot_problem(("fp8_e4m3_block",) * 2, "fp32")[:40]
+        'fp8_e4m3_block x fp8_e4m3_block: float32'
+    """
+    fs = [get_format(f) for f in formats]
+    names = " x ".join(f.name for f in fs)
+    if len({f.scale_kind.name for f in fs}) != 1 or len({f.block for f in fs}) != 1:
+        return (
+            f"{names} mixes scale kinds or block sizes; it takes pairs of one scale kind and "
+            "block (MX with MX, NVFP4 with NVFP4, block FP8 with block FP8)"
+        )
+    if fs[0].scale_kind.name == "float32" and scale_mode != "pow2":
+        return (
+            f"{names}: float32 block scales (scale_mode={scale_mode!r}) are not exact in "
+            "lax.scaled_dot, whose decomposition rounds each scale to bfloat16; it takes block "
+            "FP8 only as quantized by a recipe with scale_mode='pow2' (jaxmx.recipes."
+            "FP8_BLOCK_POW2), run as its MXFP8 twin"
+        )
+    return ""
 
 
 def _as_tuple(value) -> tuple | None:

@@ -15,6 +15,9 @@ CUDA device (:mod:`~jaxmx._src.gemm.capabilities`), another for ``"cuda"``. The 
 - ``"native"``: the native custom call of the formats' family (``Format.gemm``);
 - ``"native_pow2_twin"``: block FP8 with power-of-two scales, re-encoded as its MX twin, on the
   native MX GEMM (a device with the MX GEMM but not the block-FP8 one: Blackwell).
+- ``"xla"``: ``jax.lax.scaled_dot`` (XLA's block-scaled dot, ``backend="xla"`` only) on MX and
+  NVFP4 operands as stored (:mod:`~jaxmx._src.gemm.scaled_dot`);
+- ``"xla_pow2_twin"``: block FP8 with power-of-two scales as its MX twin, through the same.
 
 Example:
     >>> from jaxmx._src.gemm.capabilities import Capabilities
@@ -26,6 +29,8 @@ Example:
     {'default': 'emulate', 'cuda': 'native'}
     >>> kernels(Gemm(formats=("fp8_e4m3_block",) * 2, scale_mode="pow2"), blackwell)
     {'default': 'dequantized', 'cuda': 'native_pow2_twin'}
+    >>> kernels(Gemm(formats=("mxfp4", "mxfp4"), backend="xla"))
+    {'default': 'xla'}
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmx._src.core.formats import Format, get_format
-from jaxmx._src.core.recipes import Accumulation, check_accumulation, check_backend
+from jaxmx._src.core.recipes import (
+    Accumulation,
+    check_accumulation,
+    check_backend,
+    scaled_dot_problem,
+)
 from jaxmx._src.gemm import capabilities as caps
 from jaxmx._src.gemm.capabilities import Capabilities
 
@@ -44,6 +54,8 @@ KERNELS = (
     "limited",
     "native",
     "native_pow2_twin",
+    "xla",
+    "xla_pow2_twin",
 )
 """Every kernel :func:`kernels` may choose."""
 
@@ -59,7 +71,7 @@ class Gemm:
     formats: tuple[str, str]
     # the operands' 2-D tiles, None for 1-D blocks
     tiles: tuple[tuple[int, int] | None, tuple[int, int] | None] = (None, None)
-    # "auto", "emulate" or "ffi" (jaxmx.BACKENDS)
+    # "auto", "emulate", "ffi" or "xla" (jaxmx.BACKENDS)
     backend: str = "auto"
     # a modelled limited-precision accumulator, or None for float32 accumulation
     accumulation: Accumulation | None = None
@@ -83,6 +95,12 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
                 "jaxmx.ragged_dot: there is no native grouped MX GEMM yet; use backend='emulate' "
                 "or 'auto' (which emulates it)"
             )
+        if backend == "xla":
+            raise NotImplementedError(
+                "jaxmx.ragged_dot: backend='xla' has no grouped GEMM (lax.scaled_dot has no "
+                "grouped form, and the per-group loop is not built); use backend='emulate' or "
+                "'auto' (which emulates it)"
+            )
         return {"default": "dequantized"}
     if gemm.accumulation is not None:
         acc = gemm.accumulation
@@ -90,6 +108,8 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
         return {"default": "limited"}
     if backend == "ffi":
         return {"default": "native"}
+    if backend == "xla":
+        return {"default": _scaled_dot(gemm)}
     emulated = {"default": _emulation(gemm)}
     if backend == "emulate":
         return emulated
@@ -118,6 +138,20 @@ def native_family(formats: tuple[str, ...]) -> str | None:
 def native_pair(formats: tuple[str, ...]) -> bool:
     """Whether a native GEMM (MX, block FP8 or FP4) takes operands of these formats."""
     return native_family(formats) is not None
+
+
+def _scaled_dot(gemm: Gemm) -> str:
+    """The ``lax.scaled_dot`` kernel of ``gemm``, or the ValueError naming what it cannot take."""
+    problem = scaled_dot_problem(gemm.formats, gemm.scale_mode)
+    if problem:
+        raise ValueError(f"jaxmx GEMM, backend='xla': {problem}")
+    fs = [get_format(f) for f in gemm.formats]
+    if not all(_block_wide(t, f) for t, f in zip(gemm.tiles, fs, strict=True)):
+        raise ValueError(
+            f"jaxmx GEMM, backend='xla': tiles {gemm.tiles} of {' x '.join(gemm.formats)} have no "
+            "1-D form (tiles must be as wide as the block); use backend='emulate'"
+        )
+    return "xla_pow2_twin" if fs[0].scale_kind.name == "float32" else "xla"
 
 
 def _emulation(gemm: Gemm) -> str:

@@ -69,9 +69,16 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
         (((a.data_axis,), (b.data_axis,)), (batch, batch)),
         preferred_element_type=jnp.float32,
     )
+    return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
+
+
+def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> jax.Array:
+    """The float32 product ``out`` [..., M, N] of row-relative operands (:func:`decode_rows`)
+    times ``2^(s_a + s_b) * g_a * g_b``: the rows' exponents back, exactly, then the tensor
+    scales (NVFP4) as cuBLASLt applies alpha."""
     shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
     out = bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
-    return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
+    return out * _alpha(a, b, out.ndim)
 
 
 def _alpha(a, b, ndim: int) -> jax.Array:

@@ -29,6 +29,7 @@ from jaxmx._src.gemm.accumulation import limited_matmul
 from jaxmx._src.gemm.dequantized_matmul import dequantized_matmul
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.emulate import emulated_matmul
+from jaxmx._src.gemm.scaled_dot import scaled_dot_matmul
 from jaxmx._src.quantize.pow2_blocks import as_mx
 
 
@@ -52,7 +53,8 @@ def matmul(
             operands' format family natively (MXFP8, FP4 or block FP8), else the emulation),
             ``"emulate"`` (any device) or ``"ffi"`` (the native custom call:
             :func:`jaxmx.ffi.mx_matmul`, :func:`jaxmx.ffi.block_fp8_matmul` or
-            :func:`jaxmx.ffi.fp4_matmul`).
+            :func:`jaxmx.ffi.fp4_matmul`) or ``"xla"`` (``jax.lax.scaled_dot``: MX formats and
+            NVFP4; block FP8 is refused here, its float32 scales not known to be powers of two).
         accum_bits, promote_every: a modelled limited-precision accumulator (the emulation only,
             as :attr:`jaxmx.Recipe.accum_bits`); ``None``: float32 accumulation.
 
@@ -110,6 +112,8 @@ KERNELS = {
     "limited": lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
     "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),
     "native_pow2_twin": lambda a, b, out_dtype, _: _native(as_mx(a), as_mx(b), out_dtype),
+    "xla": lambda a, b, out_dtype, _: scaled_dot_matmul(untiled(a), untiled(b), out_dtype),
+    "xla_pow2_twin": lambda a, b, out_dtype, _: scaled_dot_matmul(as_mx(a), as_mx(b), out_dtype),
 }
 """Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
 accumulation) -> out``."""

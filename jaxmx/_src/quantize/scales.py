@@ -131,16 +131,32 @@ class _E8M0Rule:
         axis ``k``) with block exponents ``e``: each row's values relative to its largest
         finite scale ``2^s`` (so at most ``elem_max``), exact, subnormals included; NaN in a
         block with the NaN scale. ``s`` is int32, shaped like the rows."""
-        byte = jnp.expand_dims(scale_exponent_bytes(scale), k + 1)
-        exponent = jnp.where(byte == bits.E8M0_NAN, 0, byte) - bits.EXPONENT_BIAS
-        # over K, per row (an empty K gives the smallest exponent)
-        row_max = jnp.max(exponent, axis=(k, k + 1), keepdims=True, initial=-bits.EXPONENT_BIAS)
-        relative = exponent - row_max  # <= 0
+        relative, row_max, nan = relative_exponents(scale, k)
+        relative, nan = jnp.expand_dims(relative, k + 1), jnp.expand_dims(nan, k + 1)
         # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
         scaled = values * bits.pow2(jnp.maximum(relative, -126))
         scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
-        scaled = jnp.where(byte == bits.E8M0_NAN, jnp.nan, scaled)
-        return scaled, jnp.squeeze(row_max, (k, k + 1))
+        scaled = jnp.where(nan, jnp.nan, scaled)
+        return scaled, row_max
+
+
+def relative_exponents(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(e - s, s, nan)`` for E8M0 block scales ``2^e`` with their K blocks at axis ``k``: each
+    block's exponent relative to its row's largest finite one ``s`` (int32, ``<= 0``; ``s`` is
+    shaped like the rows), and where the scale is NaN (those blocks count as ``2^-127``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> scale = jnp.array([[1.0, 8.0, float("nan")]], jnp.float8_e8m0fnu)
+        >>> [x.tolist() for x in relative_exponents(scale, 1)]
+        [[[-3, 0, -130]], [3], [[False, False, True]]]
+    """
+    byte = scale_exponent_bytes(scale)
+    nan = byte == bits.E8M0_NAN
+    exponent = jnp.where(nan, 0, byte) - bits.EXPONENT_BIAS
+    # over K, per row (an empty K gives the smallest exponent)
+    row_max = jnp.max(exponent, axis=k, keepdims=True, initial=-bits.EXPONENT_BIAS)
+    return exponent - row_max, jnp.squeeze(row_max, k), nan
 
 
 @dataclasses.dataclass(frozen=True)

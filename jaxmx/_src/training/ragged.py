@@ -32,9 +32,9 @@ The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`
 :data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, or its one tiled copy, :data:`jaxmx.RHS_COLWISE`),
 ``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
 quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its
-four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and
-``backend="ffi"`` are refused by name. ``jax.vmap`` may map any of the operands
-(``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
+four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``),
+``backend="ffi"`` and ``backend="xla"`` are refused by name. ``jax.vmap`` may map any of the
+operands (``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
 differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
 :func:`jaxmx.dot_general`.
 
@@ -136,8 +136,9 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
     ``[k, n]`` matrix, never two experts, and the transform of the weight-gradient operands runs
     within each group's zero-padded whole blocks of tokens, which is exact per group. So every
     preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
-    NotImplementedError: ``backend="ffi"`` and ``accum_bits`` (the modelled accumulator needs the
-    blocked emulation of :func:`jaxmx.matmul`).
+    NotImplementedError: ``backend="ffi"``, ``backend="xla"`` (``lax.scaled_dot`` has no grouped
+    form) and ``accum_bits`` (the modelled accumulator needs the blocked emulation of
+    :func:`jaxmx.matmul`).
 
     Example:
         >>> import jaxmx
@@ -147,7 +148,7 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
     """
     check_recipe(recipe, "jaxmx.grouped_recipe")
     # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or the
-    # refusal of backend="ffi"), which _ragged's decode then lax.ragged_dot implement
+    # refusal of backend="ffi" and "xla"), which _ragged's decode then lax.ragged_dot implement
     kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
     if recipe.accum_bits is not None:
         raise NotImplementedError(

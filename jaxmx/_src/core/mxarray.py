@@ -17,6 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jaxmx._src.core import dtypes
 from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import Format, get_format
 
@@ -136,6 +137,21 @@ def swap_last_axes(q: MXArray) -> MXArray:
     tile = None if q.tile is None else q.tile[::-1]
     data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
     return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
+
+
+def as_bits(q: MXArray) -> MXArray:
+    """``q`` with its codes and scales viewed as unsigned integers of their width
+    (:func:`jaxmx._src.core.dtypes.to_bits`): how the training GEMMs save an MXArray for the
+    backward pass. Not an operand: :func:`from_bits` restores one, bit for bit."""
+    return dataclasses.replace(q, data=dtypes.to_bits(q.data), scale=dtypes.to_bits(q.scale))
+
+
+def from_bits(q: MXArray) -> MXArray:
+    """The MXArray that :func:`as_bits` made ``q`` from."""
+    f = q.format
+    return dataclasses.replace(
+        q, data=dtypes.from_bits(q.data, f.dtype), scale=dtypes.from_bits(q.scale, f.scale_dtype)
+    )
 
 
 def untiled(q: MXArray) -> MXArray:

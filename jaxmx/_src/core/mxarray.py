@@ -139,19 +139,33 @@ def swap_last_axes(q: MXArray) -> MXArray:
     return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
 
 
-def as_bits(q: MXArray) -> MXArray:
-    """``q`` with its codes and scales viewed as unsigned integers of their width
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXBits:
+    """An MXArray's fields with its codes and scales viewed as unsigned integers of their width
     (:func:`jaxmx._src.core.dtypes.to_bits`): how the training GEMMs save an MXArray for the
-    backward pass. Not an operand: :func:`from_bits` restores one, bit for bit."""
-    return dataclasses.replace(q, data=dtypes.to_bits(q.data), scale=dtypes.to_bits(q.scale))
+    backward pass (:func:`as_bits`); :func:`from_bits` restores it, bit for bit."""
+
+    data: jax.Array
+    scale: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    global_scale: jax.Array | None = None
 
 
-def from_bits(q: MXArray) -> MXArray:
-    """The MXArray that :func:`as_bits` made ``q`` from."""
-    f = q.format
-    return dataclasses.replace(
-        q, data=dtypes.from_bits(q.data, f.dtype), scale=dtypes.from_bits(q.scale, f.scale_dtype)
-    )
+def as_bits(q: MXArray) -> MXBits:
+    """``q`` as :class:`MXBits`."""
+    data, scale = dtypes.to_bits(q.data), dtypes.to_bits(q.scale)
+    return MXBits(data, scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
+
+
+def from_bits(b: MXBits) -> MXArray:
+    """The MXArray that :func:`as_bits` made ``b`` from."""
+    f = get_format(b.fmt)
+    data, scale = dtypes.from_bits(b.data, f.dtype), dtypes.from_bits(b.scale, f.scale_dtype)
+    return MXArray(data, scale, b.fmt, b.axis, b.shape, b.tile, b.global_scale)
 
 
 def untiled(q: MXArray) -> MXArray:

@@ -52,7 +52,7 @@ from jaxmx._src.core.block_sharding import (
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits, to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, as_bits, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
@@ -503,7 +503,7 @@ def _tiled(w, fmt: str, r: Recipe) -> MXArray:
     return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
-def _named(q: MXArray, name: str) -> MXArray:
+def _named(q: MXArray, name: str) -> MXBits:
     """``q`` as saved for the backward pass: its arrays as bits (:func:`as_bits`, so that
     ``lax.scan`` stacks them in place), named ``name`` for remat policies."""
     return jax.tree.map(lambda a: checkpoint_name(a, name), as_bits(q))

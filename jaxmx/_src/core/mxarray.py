@@ -17,6 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jaxmx._src.core import dtypes
 from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import Format, get_format
 
@@ -136,6 +137,35 @@ def swap_last_axes(q: MXArray) -> MXArray:
     tile = None if q.tile is None else q.tile[::-1]
     data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
     return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXBits:
+    """An MXArray's fields with its codes and scales viewed as unsigned integers of their width
+    (:func:`jaxmx._src.core.dtypes.to_bits`): how the training GEMMs save an MXArray for the
+    backward pass (:func:`as_bits`); :func:`from_bits` restores it, bit for bit."""
+
+    data: jax.Array
+    scale: jax.Array
+    fmt: str = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
+    global_scale: jax.Array | None = None
+
+
+def as_bits(q: MXArray) -> MXBits:
+    """``q`` as :class:`MXBits`."""
+    data, scale = dtypes.to_bits(q.data), dtypes.to_bits(q.scale)
+    return MXBits(data, scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
+
+
+def from_bits(b: MXBits) -> MXArray:
+    """The MXArray that :func:`as_bits` made ``b`` from."""
+    f = get_format(b.fmt)
+    data, scale = dtypes.from_bits(b.data, f.dtype), dtypes.from_bits(b.scale, f.scale_dtype)
+    return MXArray(data, scale, b.fmt, b.axis, b.shape, b.tile, b.global_scale)
 
 
 def untiled(q: MXArray) -> MXArray:

@@ -50,9 +50,10 @@ from jaxmx._src.core.block_sharding import (
     shards,
 )
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits, to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, swap_last_axes
+from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
@@ -334,7 +335,7 @@ def _forward(static: _Static, x, w, key, training: bool):
             _named(w_col, RHS_COLWISE),
         )
     else:
-        saved = (checkpoint_name(x, LHS_INPUT), checkpoint_name(w, RHS_INPUT))
+        saved = (checkpoint_name(to_bits(x), LHS_INPUT), checkpoint_name(to_bits(w), RHS_INPUT))
     return y, (saved, key)
 
 
@@ -360,11 +361,12 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
     g = g.reshape(static.gemm_shape)
     if r.residuals == "quantized":
-        x_col, w_col = x_saved, w_saved
+        x_col, w_col = mx_from_bits(x_saved), mx_from_bits(w_saved)
     else:
-        x_col = _Operand(_wgrad_input(x_saved, r), r.fwd, -2)
+        x, w = from_bits(x_saved, static.lhs_dtype), from_bits(w_saved, static.rhs_dtype)
+        x_col = _Operand(_wgrad_input(x, r), r.fwd, -2)
         along_n = _weight_axes(static)[1]
-        w_col = _tiled(w_saved, r.fwd, r) if r.weight_tile else _Operand(w_saved, r.fwd, along_n)
+        w_col = _tiled(w, r.fwd, r) if r.weight_tile else _Operand(w, r.fwd, along_n)
     if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
         w_col = swap_last_axes(w_col)
     row_key, col_key = scope.copy_keys(key)
@@ -501,5 +503,7 @@ def _tiled(w, fmt: str, r: Recipe) -> MXArray:
     return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
-def _named(q: MXArray, name: str) -> MXArray:
-    return jax.tree.map(lambda a: checkpoint_name(a, name), q)
+def _named(q: MXArray, name: str) -> MXBits:
+    """``q`` as saved for the backward pass: its arrays as bits (:func:`as_bits`, so that
+    ``lax.scan`` stacks them in place), named ``name`` for remat policies."""
+    return jax.tree.map(lambda a: checkpoint_name(a, name), as_bits(q))

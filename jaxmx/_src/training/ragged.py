@@ -59,9 +59,10 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype
+from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits, to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, as_bits
+from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
 from jaxmx._src.gemm.dispatch import Gemm, kernels
@@ -259,7 +260,7 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
         lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
         saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
     else:
-        saved = (checkpoint_name(lhs, LHS_INPUT), checkpoint_name(rhs, RHS_INPUT))
+        saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
     return y, (saved, group_sizes, key)
 
 
@@ -286,8 +287,9 @@ def _by_group(x, group_sizes, r: Recipe):
 
 
 def _named(q, name: str):
-    """Every array of the MXArray ``q`` named ``name`` for remat policies."""
-    return jax.tree.map(lambda a: checkpoint_name(a, name), q)
+    """The MXArray ``q`` as saved for the backward pass: its arrays as bits (``as_bits``, so
+    that ``lax.scan`` stacks them in place), named ``name`` for remat policies."""
+    return jax.tree.map(lambda a: checkpoint_name(a, name), as_bits(q))
 
 
 def _ragged_bwd(static: _Static, residuals, g):
@@ -295,9 +297,10 @@ def _ragged_bwd(static: _Static, residuals, g):
     saved, group_sizes, key = residuals
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
     if r.residuals == "quantized":
-        lhs_col, rhs_by_n = saved
+        lhs_col, rhs_by_n = (mx_from_bits(q) for q in saved)
     else:
-        lhs_col, rhs_by_n = _columnwise(r, *saved, group_sizes)
+        lhs, rhs = from_bits(saved[0], static.lhs_dtype), from_bits(saved[1], static.rhs_dtype)
+        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
     row_key, col_key = scope.copy_keys(key)
     dlhs = _by_rows(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),

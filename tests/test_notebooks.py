@@ -3,6 +3,7 @@ install cell installs jaxmx only where it is missing."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +127,13 @@ def test_install_cell_without_jaxmx_installs_the_clone_it_sits_in(tmp_path):
 def test_quickstart_notebook_runs(tmp_path, monkeypatch, jax_cache):
     text = _text(_run("01_quickstart.ipynb", tmp_path, monkeypatch, jax_cache))
     assert "float8_e4m3fn" in text and "float8_e8m0fnu" in text
-    assert "converted: ['down', 'up']" in text
+    for layer, recipe, reason in [
+        ("up", "MXFP8", "converted"),
+        ("down", "MXFP8", "converted"),
+        ("head", "high precision", "excluded by default: 'head'"),
+        ("embed", "high precision", "embedding table"),
+    ]:  # the conversion report's table
+        assert re.search(rf"{layer} +\w+ +{recipe} +{reason}", text), layer
     assert "same result: True" in text
 
 

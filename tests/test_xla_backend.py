@@ -243,6 +243,26 @@ def test_the_composite_survives_jax_export_of_a_training_step():
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+def test_an_export_for_several_platforms_fails_in_jax_itself():
+    """Pins a JAX limitation (jax 0.10.2) that docs/training_gemm.md states: lowered for several
+    platforms at once, ``lax.scaled_dot``'s composite fails MLIR verification (its
+    decomposition gets the platform-index argument). Plain ``lax.scaled_dot``, no jaxmx, fails
+    the same way; when this test fails, JAX has fixed it and the docs' limit can go."""
+    a, b = jnp.ones((1, 8, 64), jnp.float8_e4m3fn), jnp.ones((1, 16, 64), jnp.float8_e4m3fn)
+    sa, sb = jnp.ones((1, 8, 2), jnp.float8_e8m0fnu), jnp.ones((1, 16, 2), jnp.float8_e8m0fnu)
+    dims = (((2,), (2,)), ((0,), (0,)))
+
+    def plain(a, b, sa, sb):
+        return jax.lax.scaled_dot(a, b, lhs_scale=sa, rhs_scale=sb, dimension_numbers=dims)
+
+    args = _layer_inputs(64)
+    step = _step(recipes.MXFP8.replace(backend="xla"))
+    jax.export.export(step, platforms=("cpu",))(*args)  # one platform: fine
+    for fn, fn_args in ((jax.jit(plain), (a, b, sa, sb)), (step, args)):
+        with pytest.raises(ValueError, match="decomposition has"):
+            jax.export.export(fn, platforms=("cpu", "cuda"))(*fn_args)
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (conftest.py)")
 def test_data_parallel_on_8_devices_equals_one_device():
     mesh = jax.make_mesh((8,), ("data",))

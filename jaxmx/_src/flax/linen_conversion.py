@@ -189,7 +189,7 @@ class _Frame:
     real call applies."""
 
     root: nn.Module | None  # the converted module (None until its method is entered)
-    recording: list[Layer] | None  # the abstract pass: the layers seen, in call order
+    recording: list[Layer | None] | None  # the abstract pass: the layers seen, in call order
     report: ConversionReport | None = None  # the real call: what to do to each layer
 
 
@@ -285,7 +285,7 @@ def _abstract_pass(module: nn.Module, method_name: str, args, kwargs) -> list[La
                 copy.apply(variables, *args, rngs=rngs, mutable=True, method=method, **kwargs)
 
     jax.eval_shape(run, module.variables)
-    return frame.recording
+    return [layer for layer in frame.recording if layer is not None]
 
 
 # --- the interceptor -----------------------------------------------------------------------------
@@ -303,9 +303,11 @@ def _intercept(next_fun, args, kwargs, context):
         return next_fun(*args, **kwargs)
     path = _relative_path(layer, frame.root)
     if frame.recording is not None:
+        first = all(seen is None or seen.path != path for seen in frame.recording)
+        index = len(frame.recording)
+        frame.recording.append(None)  # its place in call order, filled in with its output width
         out = next_fun(*args, **kwargs)
-        if all(seen.path != path for seen in frame.recording):
-            frame.recording.append(_layer(layer, path, role, out))
+        frame.recording[index] = _layer(layer, path, role, out) if first else None
         return out
     plan = frame.report.get(path)
     if plan is None:

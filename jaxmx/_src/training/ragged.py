@@ -222,32 +222,23 @@ def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
 def _ragged(static: _Static, lhs, rhs, group_sizes, key, tap):
     """The grouped GEMM; ``tap`` (``None`` or an observer's tap) is unused here: its cotangent
     carries what the observer records of the backward pass."""
-    return _forward(static, lhs, rhs, group_sizes)
+    return _forward(static, lhs, rhs, group_sizes, _tiled(static.recipe, rhs))
 
 
-def _forward(static: _Static, lhs, rhs, group_sizes):
+def _forward(static: _Static, lhs, rhs, group_sizes, tiled: MXArray | None):
+    """The forward GEMM; ``rhs`` is read along K, or as ``tiled`` (:func:`_tiled`)."""
     r = static.recipe
-    y = _by_rows(_decoded(lhs, r.fwd, r, axis=1), _rhs_forward(r, rhs), group_sizes)
+    rhs = _decoded(rhs, r.fwd, r, axis=1) if tiled is None else dequantize(tiled)
+    y = _by_rows(_decoded(lhs, r.fwd, r, axis=1), rhs, group_sizes)
     return y.astype(static.out_dtype)
 
 
-def _rhs_forward(r: Recipe, rhs) -> jax.Array:
-    """``rhs [g, k, n]`` as the forward GEMM reads it, decoded: along K, or in weight tiles."""
-    if r.weight_tile:
-        return dequantize(_tiled(r, rhs))
-    return _decoded(rhs, r.fwd, r, axis=1)
-
-
-def _rhs_dgrad(r: Recipe, rhs) -> MXArray:
-    """``rhs [g, k, n]`` as the dgrad GEMM reads it: along N, or the forward's tiled copy."""
-    if r.weight_tile:
-        return _tiled(r, rhs)
-    return quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode)
-
-
-def _tiled(r: Recipe, rhs) -> MXArray:
-    """``rhs [g, k, n]`` in ``r.weight_tile`` tiles of each expert's ``[k, n]`` matrix: one
-    quantization for the forward and dgrad GEMMs (a tile holds the same bytes transposed)."""
+def _tiled(r: Recipe, rhs) -> MXArray | None:
+    """With ``r.weight_tile``, ``rhs [g, k, n]`` in those tiles of each expert's ``[k, n]``
+    matrix: one quantization for the forward and dgrad GEMMs (a tile holds the same bytes
+    transposed); else ``None``."""
+    if not r.weight_tile:
+        return None
     return quantize(rhs, r.fwd, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
@@ -255,21 +246,23 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
     r = static.recipe
     scope.require_gradient_key(r.grad_rounding, key)
     lhs, rhs = first_order_only(_WHERE, lhs, rhs)  # the residuals and y: not differentiable again
-    y = _forward(static, lhs, rhs, group_sizes)
+    tiled = _tiled(r, rhs)
+    y = _forward(static, lhs, rhs, group_sizes, tiled)
     if r.residuals == "quantized":  # the 8-bit copies the two backward GEMMs read
-        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
+        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes, tiled)
         saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
     else:
         saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
     return y, (saved, group_sizes, key)
 
 
-def _columnwise(r: Recipe, lhs, rhs, group_sizes):
-    """The backward GEMMs' copies of the inputs: ``lhs`` laid out by group (:func:`_by_group`)
-    and quantized along each group's tokens, for the weight gradient, and ``rhs`` as the input
-    gradient reads it (:func:`_rhs_dgrad`), both MXArrays."""
+def _columnwise(r: Recipe, lhs, rhs, group_sizes, tiled: MXArray | None):
+    """The backward GEMMs' copies of the inputs, both MXArrays: ``lhs`` laid out by group
+    (:func:`_by_group`) and quantized along each group's tokens, for the weight gradient, and
+    ``rhs`` for the input gradient: along N, or the forward's ``tiled`` copy."""
     lhs_by_group, _ = _by_group(lhs, group_sizes, r)
-    return quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode), _rhs_dgrad(r, rhs)
+    rhs_by_n = quantize(rhs, r.fwd, axis=2, scale_mode=r.scale_mode) if tiled is None else tiled
+    return quantize(lhs_by_group, r.fwd, axis=0, scale_mode=r.scale_mode), rhs_by_n
 
 
 def _by_group(x, group_sizes, r: Recipe):
@@ -300,7 +293,7 @@ def _ragged_bwd(static: _Static, residuals, g):
         lhs_col, rhs_by_n = (mx_from_bits(q) for q in saved)
     else:
         lhs, rhs = from_bits(saved[0], static.lhs_dtype), from_bits(saved[1], static.rhs_dtype)
-        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes)
+        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes, _tiled(r, rhs))
     row_key, col_key = scope.copy_keys(key)
     dlhs = _by_rows(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),

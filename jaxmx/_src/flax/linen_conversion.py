@@ -27,7 +27,7 @@ import jax
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.internals import linen_rng_streams
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, einsum_call
-from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXRaggedDot
+from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXRaggedDot, ragged_dot_attributes
 from jaxmx._src.flax.rules import (
     ATTENTION,
     EMBEDDING,
@@ -38,6 +38,7 @@ from jaxmx._src.flax.rules import (
     ConversionReport,
     Layer,
     Rule,
+    dot_general_cls_refusal,
 )
 
 CONVERTIBLE = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -320,7 +321,7 @@ def _intercept(next_fun, args, kwargs, context):
         return next_fun(*args, **kwargs)
     name = "/".join(layer.path)
     if role == EXPERTS:
-        for attr in _ragged_dots(layer):
+        for attr in ragged_dot_attributes(layer):
             object.__setattr__(layer, attr, MXRaggedDot(plan.recipe, name))
         return next_fun(*args, **kwargs)
     if role == ATTENTION:
@@ -329,10 +330,7 @@ def _intercept(next_fun, args, kwargs, context):
     if isinstance(layer, nn.Einsum):
         return einsum_call(layer, *args, recipe=plan.recipe, name=name, **kwargs)
     if layer.dot_general_cls is not None:
-        raise ValueError(
-            f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead "
-            "of its dot_general; exclude the layer or drop its dot_general_cls"
-        )
+        raise dot_general_cls_refusal(path)
     object.__setattr__(layer, "dot_general", MXDotGeneral(plan.recipe, name))
     return next_fun(*args, **kwargs)
 
@@ -349,14 +347,9 @@ def _role(layer: nn.Module, method_name: str) -> str | None:
         return GEMM
     if isinstance(layer, nn.MultiHeadDotProductAttention):
         return ATTENTION
-    if _ragged_dots(layer):
+    if ragged_dot_attributes(layer):
         return EXPERTS
     return None
-
-
-def _ragged_dots(layer: nn.Module) -> list[str]:
-    """The attributes of ``layer`` (fields, or set in ``setup``) that hold an MXRaggedDot."""
-    return [name for name, value in vars(layer).items() if isinstance(value, MXRaggedDot)]
 
 
 def _nested(layer: nn.Module, root: nn.Module) -> bool:

@@ -16,7 +16,13 @@ from flax import nnx
 from jaxmx._src.core.recipes import MXFP8, Recipe
 from jaxmx._src.flax.internals import nnx_dot_general_cls
 from jaxmx._src.flax.nnx import Einsum, Linear
-from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXEinsum, MXRaggedDot
+from jaxmx._src.flax.ops import (
+    MXAttention,
+    MXDotGeneral,
+    MXEinsum,
+    MXRaggedDot,
+    ragged_dot_attributes,
+)
 from jaxmx._src.flax.rules import (
     ATTENTION,
     EMBEDDING,
@@ -27,6 +33,7 @@ from jaxmx._src.flax.rules import (
     ConversionReport,
     Layer,
     Rule,
+    dot_general_cls_refusal,
 )
 
 CONVERTIBLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
@@ -134,17 +141,14 @@ def quantize_model(
         keep_recipe=keep_recipe,
     )
     layers = [
-        _layer("/".join(str(p) for p in path), module)
+        _layer("/".join(str(p) for p in path), module, role)
         for path, module in nnx.iter_modules(model)
-        if _role(module) is not None
+        if (role := _role(module)) is not None
     ]
     report = conversion.plan(layers, in_call_order=False)
     for path, plan in report.converted.items():  # refuse before changing anything
         if isinstance(plan.layer, nnx.LinearGeneral) and nnx_dot_general_cls(plan.layer):
-            raise ValueError(
-                f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead "
-                "of its dot_general; exclude the layer or drop its dot_general_cls"
-            )
+            raise dot_general_cls_refusal(path)
     for path, plan in report.converted.items():
         _convert(plan.layer, path, plan.recipe)
     return report
@@ -159,18 +163,12 @@ def _role(module: nnx.Module) -> str | None:
         return ATTENTION
     if isinstance(module, nnx.Embed):
         return EMBEDDING
-    if _ragged_dots(module):
+    if ragged_dot_attributes(module):
         return EXPERTS
     return None
 
 
-def _ragged_dots(module: nnx.Module) -> list[str]:
-    """The attributes of ``module`` that hold an MXRaggedDot."""
-    return [name for name, value in vars(module).items() if isinstance(value, MXRaggedDot)]
-
-
-def _layer(path: str, module: nnx.Module) -> Layer:
-    role = _role(module)
+def _layer(path: str, module: nnx.Module, role: str) -> Layer:
     width = getattr(module, "out_features", None) if role == GEMM else None
     return Layer(
         path=path,
@@ -185,8 +183,9 @@ def _layer(path: str, module: nnx.Module) -> Layer:
 
 def _convert(layer: nnx.Module, path: str, recipe: Recipe | None) -> None:
     """Sets the jaxmx hook of one converted layer."""
-    if _ragged_dots(layer):
-        for attr in _ragged_dots(layer):
+    experts = ragged_dot_attributes(layer)
+    if experts:
+        for attr in experts:
             setattr(layer, attr, MXRaggedDot(recipe, path))
     elif isinstance(layer, nnx.MultiHeadAttention):
         layer.attention_fn = MXAttention(recipe, path)

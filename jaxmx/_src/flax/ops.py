@@ -220,6 +220,21 @@ class MXRaggedDot:
             )
 
 
+def ragged_dot_attributes(module) -> list[str]:
+    """The names of the attributes of ``module`` (a linen or nnx module: dataclass fields, or set
+    in ``setup`` / ``__init__``) that hold an :class:`MXRaggedDot`: where ``quantize_model``
+    sets the conversion's recipe of a module of experts.
+
+    Example:
+        >>> class Experts:
+        ...     def __init__(self):
+        ...         self.up, self.down, self.width = MXRaggedDot(), MXRaggedDot(None), 64
+        >>> ragged_dot_attributes(Experts())
+        ['up', 'down']
+    """
+    return [name for name, value in vars(module).items() if isinstance(value, MXRaggedDot)]
+
+
 def _constrained(y: jax.Array, out_sharding) -> jax.Array:
     """``y`` under the sharding constraint ``out_sharding`` that Flax passes (``None``: none)."""
     return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)

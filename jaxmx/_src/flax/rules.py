@@ -406,6 +406,15 @@ class Conversion:
         return None
 
 
+def dot_general_cls_refusal(path: str) -> ValueError:
+    """The error for a matched layer that sets ``dot_general_cls``, which Flax calls instead of
+    the ``dot_general`` a converter sets."""
+    return ValueError(
+        f"quantize_model: layer {path!r} sets dot_general_cls, which Flax calls instead of its "
+        "dot_general; exclude the layer or drop its dot_general_cls"
+    )
+
+
 _NOT_A_CANDIDATE = "not a candidate"
 _NOT_CONVERTED = {
     ATTENTION: "attention products in high precision (attention=False)",

@@ -39,13 +39,21 @@ def register_pytree(cls):
         return [getattr(x, n) for n in leaves], tuple(getattr(x, n) for n in static)
 
     def unflatten(aux, children):
-        x = object.__new__(cls)
-        for name, value in (*zip(static, aux, strict=True), *zip(leaves, children, strict=True)):
-            object.__setattr__(x, name, value)
-        return x
+        return _unchecked(
+            cls, **dict(zip(static, aux, strict=True)), **dict(zip(leaves, children, strict=True))
+        )
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
+
+
+def _unchecked(cls, **fields):
+    """An instance of the frozen dataclass ``cls`` with ``fields``, without its constructor's
+    checks (for fields already checked, or rebuilt by a JAX transform)."""
+    x = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(x, name, value)
+    return x
 
 
 @register_pytree
@@ -209,7 +217,10 @@ def checked(q, where: str) -> MXArray:
         raise TypeError(f"{where}: expected an MXArray, got {type(q).__name__}")
     fmt, axis, shape, tile = checked_fields(q, where)
     g = None if q.global_scale is None else jnp.asarray(q.global_scale)
-    return MXArray(jnp.asarray(q.data), jnp.asarray(q.scale), fmt, axis, shape, tile, g)
+    data, scale = jnp.asarray(q.data), jnp.asarray(q.scale)
+    return _unchecked(  # checked above, naming `where`: the constructor would check again
+        MXArray, data=data, scale=scale, fmt=fmt, axis=axis, shape=shape, tile=tile, global_scale=g
+    )
 
 
 def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | None]:

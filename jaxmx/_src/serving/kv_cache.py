@@ -109,7 +109,7 @@ class KVCache:
             ("head_dim", head_dim),
         ):
             _check_positive_int(n, name)
-        f = _checked_format(fmt)
+        f = checked_format(fmt)
         if head_dim % f.block:
             raise ValueError(
                 f"KVCache.create: head_dim {head_dim} must be a multiple of {f.name}'s block "
@@ -360,7 +360,8 @@ def _tensor_scale(f: Format) -> jax.Array | None:
     return jnp.float32(NVFP4_TENSOR_SCALE) if f.has_global_scale else None
 
 
-def _checked_format(fmt) -> Format:
+def checked_format(fmt) -> Format:
+    """The :class:`Format` a cache holds, by name (a ValueError naming the formats otherwise)."""
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(
             f"KVCache.create: unknown fmt {fmt!r}; the cache holds one of jaxmx's formats: "

@@ -93,8 +93,8 @@ def init_kv_cache(
         >>> layer = nnx.MultiHeadAttention(4, 128, num_kv_heads=2, rngs=nnx.Rngs(0))
         >>> mxnnx.init_kv_cache(layer, 2, 64, page_size=32)
         ['']
-        >>> layer.kv_cache.get_value().k_codes.shape     # 4 pages of 32 tokens, 2 heads, 64
-        (4, 2, 32, 64)
+        >>> layer.kv_cache.get_value().k_codes.shape   # 2 x 2 pages of 32 tokens, 2 KV heads
+        (4, 2, 32, 32)
     """
     checked_format(fmt)
     layers = [

@@ -234,7 +234,7 @@ def test_telemetry_records_its_four_legs():
 
 # --- every preset, adapted by jaxmx.grouped_recipe ---------------------------------------------
 
-PRESETS = [  # the per-tensor and per-row presets have no grouped form (tests/test_tensor_row_fp8.py)
+PRESETS = [  # per-tensor and per-row presets have no grouped form (tests/test_tensor_row_fp8.py)
     name
     for name in jaxmx.recipes.__all__
     if name != "Recipe" and jaxmx.FORMATS[getattr(jaxmx.recipes, name).fwd].span == "block"

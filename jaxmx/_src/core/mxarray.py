@@ -139,9 +139,7 @@ def along(q: MXArray, axis: int) -> MXArray:
     """A per-tensor ``q`` as the quantization of the same tensor along ``axis`` (non-negative):
     the same codes and scale, since one scale per tensor does not depend on the axis."""
     if q.format.span != "tensor":
-        raise ValueError(
-            f"along: only a per-tensor MXArray serves every axis, not an {q.fmt} one"
-        )
+        raise ValueError(f"along: only a per-tensor MXArray serves every axis, not an {q.fmt} one")
     return MXArray(q.data, q.scale, q.fmt, axis, q.shape, None, q.global_scale)
 
 

@@ -421,9 +421,7 @@ def _gradient_copies(r: Recipe, g_row: _Operand, g_col: _Operand):
     the wgrad copy) one quantization of ``g_row`` serving both (:func:`_per_tensor`)."""
     if not _per_tensor(r.grad) or r.rht:
         return g_row, g_col
-    q = _quantize(
-        g_row.x, g_row.key, fmt=r.grad, axis=-1, scale_mode=r.scale_mode, to_values=False
-    )
+    q = _quantize(g_row.x, g_row.key, fmt=r.grad, axis=-1, scale_mode=r.scale_mode, to_values=False)
     return q, along(q, q.ndim - 2)
 
 

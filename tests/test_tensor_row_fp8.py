@@ -306,7 +306,7 @@ def test_recipe_options_work_or_are_refused_by_name():
         recipes.FP8_TENSORWISE.replace(accum_bits=14)
     with pytest.raises(ValueError, match="unknown scale_mode 'fp32' for mxfp8_e5m2"):
         recipes.FP8_TENSORWISE.replace(grad="mxfp8_e5m2")
-    with pytest.raises(ValueError, match="unknown Recipe.wgrad"):
+    with pytest.raises(ValueError, match=r"unknown Recipe\.wgrad"):
         recipes.MXFP8.replace(wgrad="fp32")
     with pytest.raises(
         ValueError, match=r"fp8_e4m3_tensor has one scale per tensor; lax.scaled_dot"

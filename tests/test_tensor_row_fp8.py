@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmx
 from jaxmx import recipes
@@ -230,11 +232,18 @@ def vjp(recipe, x, w, g):
     return y, *pullback(g)
 
 
+@pytest.mark.parametrize("k_first", [False, True])  # w [N, K], or stored [K, N] (Flax)
 @pytest.mark.parametrize("name", ["FP8_TENSORWISE", "FP8_ROWWISE"])
-def test_forward_and_both_gradients_equal_the_float64_product_of_quantized_operands(name):
+def test_forward_and_both_gradients_equal_the_float64_product_of_quantized_operands(name, k_first):
     r = getattr(recipes, name).replace(**EMULATE)
     x, w, g = (np.asarray(a) for a in gemm_inputs())
-    y, dx, dw = vjp(r, x, w, g)
+    if k_first:
+        dims = (((1,), (0,)), ((), ()))
+        y, pullback = jax.vjp(lambda x, w: jaxmx.dot_general(x, w, dims, recipe=r), x, w.T)
+        dx, dw_t = pullback(g)
+        dw = dw_t.T
+    else:
+        y, dx, dw = vjp(r, x, w, g)
     mode = r.scale_mode
     want_y = ref_gemm(x, r.fwd, 1, w, r.fwd, 1, mode)  # both along K
     want_dx = ref_gemm(g, r.grad, 1, w.T, r.fwd, 1, mode)  # g along N, w along N
@@ -322,3 +331,16 @@ def test_recipe_options_work_or_are_refused_by_name():
         jaxmx.grouped_recipe(recipes.FP8_TENSORWISE)
     with pytest.raises(NotImplementedError, match="wgrad='high_precision' is not available"):
         jaxmx.grouped_recipe(recipes.MXFP8.replace(wgrad="high_precision"))
+
+
+def test_under_jit_a_sharded_tensor_gets_the_global_amax():
+    """GSPMD reduces the amax over the shards: the bytes of the unsharded quantization."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices()[:8])
+    x = adversarial_rows()[1]  # [7, 8]: finite
+    x = np.concatenate([x, x * 1e3])  # [14, 8], the largest rows on the second shard
+    sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    for fmt, axis in (("fp8_e4m3_tensor", 1), ("fp8_e5m2_row", 0), ("fp8_e4m3_row", 1)):
+        q = jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=axis))(sharded)  # noqa: B023
+        codes, scale = ref_quantize(x, fmt, axis)
+        assert_same_bits(q.data, codes, np.uint8)
+        assert_same_bits(q.scale, scale, np.uint32)

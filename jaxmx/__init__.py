@@ -16,6 +16,7 @@ from jaxmx._src.core.block_sharding import BlockShardingError
 from jaxmx._src.core.copies import Copies, SwizzledCopies
 from jaxmx._src.core.formats import (
     BLOCK_SCALE_MODES,
+    CURRENT_SCALE_MODES,
     FORMATS,
     NVFP4_SCALE_MODES,
     SCALE_MODES,
@@ -46,6 +47,7 @@ from jaxmx._version import __version__
 __all__ = [
     "BACKENDS",
     "BLOCK_SCALE_MODES",
+    "CURRENT_SCALE_MODES",
     "FORMATS",
     "LHS_COLWISE",
     "LHS_INPUT",

@@ -1,7 +1,8 @@
 """``flax.nnx`` layers whose matmuls run through :func:`jaxmx.dot_general`, and model conversion.
 
 ``Linear`` and ``Einsum`` take the arguments of ``nnx.Linear`` / ``nnx.Einsum`` plus ``recipe``;
-:func:`quantize_model` converts an existing model's layers in place.
+:func:`quantize_model` converts an existing model's layers in place; :func:`quantize_weights`
+stores a trained model's GEMM weights as MXArrays for inference (in place).
 
 Example:
     >>> import jax.numpy as jnp
@@ -14,6 +15,16 @@ Example:
 
 from jaxmx._src.flax.nnx import Einsum, Linear
 from jaxmx._src.flax.nnx_conversion import quantize_model
+from jaxmx._src.flax.nnx_weights import QuantizedLinear, quantize_weights
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
-__all__ = ["DEFAULT_EXCLUDE", "ConversionReport", "Einsum", "LayerPlan", "Linear", "quantize_model"]
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "ConversionReport",
+    "Einsum",
+    "LayerPlan",
+    "Linear",
+    "QuantizedLinear",
+    "quantize_model",
+    "quantize_weights",
+]

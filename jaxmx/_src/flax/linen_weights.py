@@ -118,7 +118,7 @@ def quantize_weights(
         >>> print(mxl.weights_report(model))
         up     Dense  mxfp4, weights only  1,088 B (0.27x bf16)  converted
         head   Dense  high precision       2,560 B (2.00x bf16)  excluded by default: 'head'
-        total                              3,648 B (0.89x bf16)
+        total                              3,648 B (0.68x bf16)
         >>> type(qvars["params"]["up"]["kernel"]).__name__, model.apply(qvars, x).shape
         ('MXArray', (2, 10))
     """

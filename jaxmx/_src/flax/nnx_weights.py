@@ -137,9 +137,9 @@ def quantize_weights(
         >>> net = Net(nnx.Rngs(0))
         >>> report = mxnnx.quantize_weights(net, "mxfp8_e4m3")
         >>> print(report)
-        head   Linear  high precision                 1,280 B (2.00x bf16)  excluded by default: 'head'
-        up     Linear  mxfp8_e4m3, weights only       2,112 B (0.52x bf16)  converted
-        total                                         3,392 B (0.83x bf16)
+        head   Linear  high precision            1,280 B (2.00x bf16)  excluded by default: 'head'
+        up     Linear  mxfp8_e4m3, weights only  2,112 B (0.52x bf16)  converted
+        total                                    3,392 B (0.72x bf16)
         >>> net(jnp.ones((2, 64), jnp.bfloat16)).shape
         (2, 10)
     """

@@ -73,7 +73,7 @@ class LinenNet(nn.Module):
 
 def _nnx_kernels(net) -> dict:
     """``{path: (kernel, bias)}`` of the model's layers, as numpy."""
-    get = lambda v: None if v is None else np.asarray(v.get_value())  # noqa: E731
+    get = lambda v: None if v is None else np.asarray(v.get_value())
     table = {"embed": (np.asarray(net.embed.embedding.get_value()), None)}
     for name in ("up", "gen", "mix", "head"):
         layer = getattr(net, name)
@@ -124,8 +124,12 @@ def _float64_model(original: dict, stored: dict, ids) -> tuple[np.ndarray, np.nd
     weights) and the bound on the float32 rounding of the model (module docstring)."""
     x = original["embed"][0].astype(np.float64)[np.asarray(ids)].reshape(-1, D)
     err = np.zeros_like(x)
-    for name, n_in, relu in (("up", 1, True), ("gen", 1, False), ("mix", 2, False),
-                             ("head", 1, False)):
+    for name, n_in, relu in (
+        ("up", 1, True),
+        ("gen", 1, False),
+        ("mix", 2, False),
+        ("head", 1, False),
+    ):
         kernel, bias = original[name]
         w = _k_by_n(kernel, n_in) if name not in stored else _decoded_k_by_n(stored[name])
         b = np.asarray(bias, np.float64).reshape(-1)
@@ -212,7 +216,7 @@ def _dot_bound(x, w, b=0.0):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_weight_only_layer_is_x_times_decoded_weight(dtype):
-    net, original, stored, _ = _converted_nnx("mxfp8_e4m3")
+    net, original, _, _ = _converted_nnx("mxfp8_e4m3")
     x = jax.random.normal(jax.random.key(1), (4, D), jnp.float32).astype(dtype)
     y = net.up(x)
     assert y.dtype == dtype  # W8A16: activations stay in their dtype
@@ -285,8 +289,12 @@ def test_linen_orbax_round_trip_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(
     "case, low, high",
-    [("mxfp8", 0.51, 0.53), ("mxfp4", 0.0, 0.29), ("nvfp4_16x16", 0.0, 0.29),
-     ("nvfp4_1d", 0.0, 0.29)],
+    [
+        ("mxfp8", 0.51, 0.53),
+        ("mxfp4", 0.0, 0.29),
+        ("nvfp4_16x16", 0.0, 0.29),
+        ("nvfp4_1d", 0.0, 0.29),
+    ],
 )
 def test_bytes_against_bf16(case, low, high):
     fmt, tile = CASES[case]

@@ -227,8 +227,9 @@ def _layer(layer: nn.Module, path: str, method_name: str, out) -> Layer | None:
     if isinstance(layer, nn.Embed):
         if method_name not in ("__call__", "attend"):
             return None
-        return Layer(path=path, kind=kind, role=EMBEDDING, vocab=layer.num_embeddings,
-                     module=unbound)
+        return Layer(
+            path=path, kind=kind, role=EMBEDDING, vocab=layer.num_embeddings, module=unbound
+        )
     if method_name != "__call__":
         return None
     if isinstance(layer, nn.Einsum):

@@ -179,8 +179,9 @@ def quantize_weights(
 def _layer(path: str, module: nnx.Module) -> Layer | None:
     kind = type(module).__name__
     if isinstance(module, nnx.Embed):
-        return Layer(path=path, kind=kind, role=EMBEDDING, vocab=module.num_embeddings,
-                     module=module)
+        return Layer(
+            path=path, kind=kind, role=EMBEDDING, vocab=module.num_embeddings, module=module
+        )
     if isinstance(module, nnx.Einsum):
         return Layer(path=path, kind=kind, role=REFUSED, note=_EINSUM_NOTE, module=module)
     if not isinstance(module, (nnx.Linear, nnx.LinearGeneral)):
@@ -222,6 +223,4 @@ def _sized(plan: LayerPlan, module, layer, stored: MXArray | None, storage: Weig
     table = module.embedding if isinstance(module, nnx.Embed) else module.kernel
     nbytes, bf16 = kernel_sizes(table.get_value(), stored)
     weights = storage.label if stored is not None else None
-    return dataclasses.replace(
-        plan, weights=weights, nbytes=nbytes, bf16_nbytes=bf16, layer=layer
-    )
+    return dataclasses.replace(plan, weights=weights, nbytes=nbytes, bf16_nbytes=bf16, layer=layer)

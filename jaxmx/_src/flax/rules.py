@@ -262,9 +262,7 @@ class ConversionReport(Mapping):
 
     def __str__(self) -> str:
         plans = list(self._plans.values())
-        rows = [
-            [p.path, p.kind, p.weights or recipe_name(p.recipe), p.reason] for p in plans
-        ]
+        rows = [[p.path, p.kind, p.weights or recipe_name(p.recipe), p.reason] for p in plans]
         if any(p.nbytes is not None for p in plans):
             for row, p in zip(rows, plans, strict=True):
                 row.insert(3, "" if p.nbytes is None else _sized(p.nbytes, p.bf16_nbytes))

@@ -59,8 +59,10 @@ class WeightStorage:
         object.__setattr__(self, "fmt", get_format(self.fmt).name)
         if self.tile is not None:
             tile = tuple(self.tile) if isinstance(self.tile, (tuple, list)) else None
-            if tile is None or len(tile) != 2 or not all(
-                isinstance(t, int) and t > 0 for t in tile
+            if (
+                tile is None
+                or len(tile) != 2
+                or not all(isinstance(t, int) and t > 0 for t in tile)
             ):
                 raise ValueError(
                     f"quantize_weights: tile must be None or (rows, cols) of positive ints, got "
@@ -68,7 +70,9 @@ class WeightStorage:
                 )
             object.__setattr__(self, "tile", tile)
         if not isinstance(self.activations, bool):
-            raise TypeError(f"quantize_weights: activations must be a bool, got {self.activations!r}")
+            raise TypeError(
+                f"quantize_weights: activations must be a bool, got {self.activations!r}"
+            )
 
     @property
     def label(self) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
@@ -138,7 +139,7 @@ def quantize_weights(
                 f"quantize_weights: module is already converted ({field}); pass the trained "
                 "model itself"
             )
-    if not isinstance(variables, dict) or "params" not in variables:
+    if not isinstance(variables, Mapping) or "params" not in variables:
         raise ValueError(
             "quantize_weights: variables must be the model's variables ({'params': ...}, as "
             f"init returns them), got a {type(variables).__name__} without 'params'"
@@ -147,7 +148,7 @@ def quantize_weights(
     report = conversion.plan(layers)
     if not report.converted:
         raise ValueError(f"quantize_weights: no layer of the model to convert:\n{report}")
-    params = jax.tree.map(lambda x: x, dict(variables["params"]))  # new dicts, same leaves
+    params = dict(variables["params"])  # _params_at copies the dicts on each layer's path
     plans = []
     for layer in layers:
         plan = report[layer.path]

@@ -381,3 +381,19 @@ def test_bad_arguments_raise():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model.apply(qvars, IDS).shape == (*IDS.shape, VOCAB)
+
+
+class Vmapped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        experts = nn.vmap(
+            nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
+        )
+        return experts(D, name="experts")(x)
+
+
+def test_stacked_kernel_of_a_lifted_layer_raises():
+    x = jnp.ones((2, 3, D))
+    variables = Vmapped().init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"layer 'experts' has a kernel of shape \(2, 64, 64\)"):
+        mxl.quantize_weights(Vmapped(), variables, "mxfp8_e4m3", x)

@@ -155,7 +155,8 @@ def quantize_weights(
         table = _params_at(params, layer.path, "embedding" if layer.role == EMBEDDING else "kernel")
         stored = None
         if plan.converted:
-            stored = stored_weight(table, table.ndim - _n_features(layer.module), storage)
+            axes, features = _axes_and_features(layer.module)
+            stored = stored_weight(table, axes, features, storage, layer.path)
             _params_at(params, layer.path, None)["kernel"] = stored
         nbytes, bf16 = kernel_sizes(table, stored)
         weights = storage.label if stored is not None else None
@@ -257,10 +258,6 @@ def _axes_and_features(layer: nn.Module) -> tuple[tuple[int, ...], tuple[int, ..
     axes = layer.axis if isinstance(layer.axis, tuple | list) else (layer.axis,)
     features = layer.features if isinstance(layer.features, tuple | list) else (layer.features,)
     return tuple(axes), tuple(features)
-
-
-def _n_features(layer: nn.Module) -> int:
-    return len(_axes_and_features(layer)[1])
 
 
 def _params_at(params: dict, path: str, name: str | None):

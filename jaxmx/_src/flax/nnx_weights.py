@@ -54,12 +54,15 @@ class QuantizedLinear(nnx.Module):
         self.axes, self.features, self.dtype, self.storage = axes, features, dtype, storage
 
     @classmethod
-    def of(cls, layer: nnx.Linear | nnx.LinearGeneral, storage: WeightStorage) -> QuantizedLinear:
-        """``layer`` with its kernel stored as ``storage`` says (its bias Param kept)."""
+    def of(
+        cls, layer: nnx.Linear | nnx.LinearGeneral, storage: WeightStorage, path: str = ""
+    ) -> QuantizedLinear:
+        """``layer`` (at ``path``) with its kernel stored as ``storage`` says (its bias Param
+        kept)."""
         axes, features = _axes_and_features(layer)
         kernel = layer.kernel.get_value()
         return cls(
-            stored_weight(kernel, kernel.ndim - len(features), storage),
+            stored_weight(kernel, axes, features, storage, path),
             layer.bias,
             axes=axes,
             features=features,
@@ -169,7 +172,7 @@ def quantize_weights(
         plan = report["/".join(str(p) for p in path)]
         layer, stored = module, None
         if plan.converted:
-            layer = QuantizedLinear.of(module, storage)
+            layer = QuantizedLinear.of(module, storage, plan.path)
             _replace(model, path, layer)
             stored = layer.kernel.get_value()
         plans.append(_sized(plan, module, layer, stored, storage))

@@ -13,7 +13,7 @@ it raises.
 Example:
     >>> import jax, jax.numpy as jnp
     >>> storage = WeightStorage(fmt="mxfp8_e4m3")
-    >>> w = stored_weight(jnp.ones((64, 8)), 1, storage)
+    >>> w = stored_weight(jnp.ones((64, 8)), (-1,), (8,), storage, "up")
     >>> w.shape, w.axis, storage.label
     ((8, 64), 1, 'mxfp8_e4m3, weights only')
     >>> dense_forward(jnp.ones((2, 64)), w, None, axes=(-1,), features=(8,), storage=storage,
@@ -82,9 +82,22 @@ class WeightStorage:
         return f"{self.fmt}{tile}, {mode}"
 
 
-def stored_weight(kernel: jax.Array, n_in: int, storage: WeightStorage) -> MXArray:
-    """``kernel [*in, *out]`` (its first ``n_in`` dims contracted) as the ``[N, K]`` MXArray
-    quantized along K."""
+def stored_weight(
+    kernel: jax.Array,
+    axes: tuple[int, ...],
+    features: tuple[int, ...],
+    storage: WeightStorage,
+    path: str,
+) -> MXArray:
+    """``kernel [*in, *features]`` of the layer at ``path``, which contracts ``len(axes)`` input
+    dims, as the ``[N, K]`` MXArray quantized along K."""
+    n_in = len(axes)
+    if kernel.ndim != n_in + len(features) or tuple(kernel.shape[n_in:]) != features:
+        raise ValueError(
+            f"quantize_weights: layer {path!r} has a kernel of shape {tuple(kernel.shape)}, not "
+            f"[{n_in} contracted dims, *{features}] (a layer under a lifted transform such as "
+            "scan or vmap, whose kernel is stacked, is not supported: exclude it)"
+        )
     k = math.prod(kernel.shape[:n_in])
     w = jnp.asarray(kernel).reshape(k, -1).T
     return quantize(w, storage.fmt, axis=-1, tile=storage.tile)

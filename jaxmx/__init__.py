@@ -29,6 +29,7 @@ from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.serving.kv_cache import KVCache, cached_attention
 from jaxmx._src.training.attention import dot_product_attention
 from jaxmx._src.training.dot_general import (
     LHS_COLWISE,
@@ -55,11 +56,13 @@ __all__ = [
     "BlockShardingError",
     "Copies",
     "Format",
+    "KVCache",
     "MXArray",
     "Recipe",
     "SwizzledCopies",
     "__version__",
     "backends",
+    "cached_attention",
     "dequantize",
     "diagnostics",
     "dot_general",

@@ -5,7 +5,8 @@
 parameters, so checkpoints interchange with the stock layers. :func:`dot_general` gives the
 ``dot_general=`` argument of a stock layer; :func:`quantize_model` converts a whole model's
 ``Dense`` / ``DenseGeneral`` / ``Einsum`` layers without editing its source; within
-:func:`kv_cache`, ``MultiHeadDotProductAttention(decode=True)`` decodes over a ``jaxmx.KVCache``.
+:func:`kv_cache`, ``MultiHeadDotProductAttention(decode=True)`` decodes over a ``jaxmx.KVCache``;
+:func:`quantize_weights` stores a trained model's GEMM weights as MXArrays for inference.
 
 Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
@@ -18,6 +19,7 @@ Example:
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
 from jaxmx._src.flax.linen_conversion import conversion_report, quantize_model
 from jaxmx._src.flax.linen_kv_cache import kv_cache
+from jaxmx._src.flax.linen_weights import quantize_weights, weights_report
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
 __all__ = [
@@ -31,4 +33,6 @@ __all__ = [
     "dot_general",
     "kv_cache",
     "quantize_model",
+    "quantize_weights",
+    "weights_report",
 ]

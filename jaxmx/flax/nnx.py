@@ -2,7 +2,8 @@
 
 ``Linear`` and ``Einsum`` take the arguments of ``nnx.Linear`` / ``nnx.Einsum`` plus ``recipe``;
 :func:`quantize_model` converts an existing model's layers in place; :func:`init_kv_cache` gives
-its ``nnx.MultiHeadAttention`` layers a ``jaxmx.KVCache`` to decode with.
+its ``nnx.MultiHeadAttention`` layers a ``jaxmx.KVCache`` to decode with; :func:`quantize_weights`
+stores a trained model's GEMM weights as MXArrays for inference (in place).
 
 Example:
     >>> import jax.numpy as jnp
@@ -16,6 +17,7 @@ Example:
 from jaxmx._src.flax.nnx import Einsum, Linear
 from jaxmx._src.flax.nnx_conversion import quantize_model
 from jaxmx._src.flax.nnx_kv_cache import KVCacheAttention, init_kv_cache
+from jaxmx._src.flax.nnx_weights import QuantizedLinear, quantize_weights
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "KVCacheAttention",
     "LayerPlan",
     "Linear",
+    "QuantizedLinear",
     "init_kv_cache",
     "quantize_model",
+    "quantize_weights",
 ]

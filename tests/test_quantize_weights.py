@@ -397,3 +397,53 @@ def test_stacked_kernel_of_a_lifted_layer_raises():
     variables = Vmapped().init(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"layer 'experts' has a kernel of shape \(2, 64, 64\)"):
         mxl.quantize_weights(Vmapped(), variables, "mxfp8_e4m3", x)
+
+
+class Shared(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, D, rngs=rngs)
+        self.again = self.up  # the same layer under a second path
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.again(self.up(x)))
+
+
+def test_a_layer_shared_by_two_paths_is_converted_at_both():
+    net = Shared(nnx.Rngs(0))
+    kernel = np.asarray(net.up.kernel.get_value())
+    mxnnx.quantize_weights(net, "mxfp8_e4m3")
+    assert isinstance(net.up, mxnnx.QuantizedLinear) and net.again is net.up
+    expected = jaxmx.quantize(jnp.asarray(kernel).T, "mxfp8_e4m3", axis=-1)
+    np.testing.assert_array_equal(
+        to_bits(net.again.kernel.get_value().data), to_bits(expected.data)
+    )
+
+
+class Hooked(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, D, rngs=rngs)
+        self.mx = nnx.Linear(D, D, rngs=rngs)
+        self.head = nnx.Linear(D, VOCAB, rngs=rngs)
+
+
+def test_a_layer_with_its_own_gemm_hook_is_reported_not_converted():
+    net = Hooked(nnx.Rngs(0))
+    mxnnx.quantize_model(net, include="mx")  # the layer's dot_general is now jaxmx's
+    report = mxnnx.quantize_weights(net, "mxfp8_e4m3")
+    assert list(report.converted) == ["up"]
+    assert "sets its own dot_general" in report["mx"].reason
+
+    class Dense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(D, name="up")(x)
+            return nn.Dense(D, name="mx", dot_general=jaxmx.flax.MXDotGeneral())(x)
+
+    x = jnp.ones((2, D))
+    model, _ = mxl.quantize_weights(
+        Dense(), Dense().init(jax.random.key(0), x), "mxfp8_e4m3", x, exclude_defaults=False
+    )
+    report = mxl.weights_report(model)
+    assert list(report.converted) == ["up"]
+    assert "sets its own dot_general" in report["mx"].reason

@@ -32,7 +32,13 @@ from jaxmx._src.flax.rules import (
     LayerPlan,
     Rule,
 )
-from jaxmx._src.flax.weights import WeightStorage, dense_forward, kernel_sizes, stored_weight
+from jaxmx._src.flax.weights import (
+    WeightStorage,
+    dense_forward,
+    hook_refusal,
+    kernel_sizes,
+    stored_weight,
+)
 
 _FIELD = "jaxmx_weights"
 _EINSUM_NOTE = (
@@ -83,8 +89,9 @@ def quantize_weights(
     exclusions: embeddings, output heads, routers). Each converted ``nn.Dense`` /
     ``nn.DenseGeneral`` gets, at its kernel's path in the returned variables,
     ``jaxmx.quantize(kernel.reshape(K, N).T, fmt, axis=-1, tile=tile)`` (quantized along K, the
-    contracted dims); the returned module computes those layers from it (the layers'
-    ``dot_general`` hooks are not used). ``nn.Embed`` tables stay as they are and ``nn.Einsum``
+    contracted dims); the returned module computes those layers from it. A layer that sets its
+    own ``dot_general`` / ``dot_general_cls`` hook is not converted (its stored weight would
+    bypass the hook). ``nn.Embed`` tables stay as they are and ``nn.Einsum``
     layers are not converted; the report lists both, with why. The returned module runs with
     ``apply`` on the returned variables only (it cannot ``init``); it is forward only.
 
@@ -249,7 +256,7 @@ def _refusal(layer: nn.Module) -> str | None:
         return f"not converted: {type(layer).__name__} overrides {base.__name__}.__call__"
     if isinstance(layer, nn.DenseGeneral) and layer.batch_dims:
         return "not converted: DenseGeneral with batch_dims"
-    return None
+    return hook_refusal(layer)
 
 
 def _axes_and_features(layer: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -25,7 +25,13 @@ from jaxmx._src.flax.rules import (
     LayerPlan,
     Rule,
 )
-from jaxmx._src.flax.weights import WeightStorage, dense_forward, kernel_sizes, stored_weight
+from jaxmx._src.flax.weights import (
+    WeightStorage,
+    dense_forward,
+    hook_refusal,
+    kernel_sizes,
+    stored_weight,
+)
 
 _EINSUM_NOTE = (
     "not converted: Einsum's contracting axes are set by its equation; weights at rest take "
@@ -167,16 +173,30 @@ def quantize_weights(
             "quantize_weights: the model is itself a Linear layer; pass a module that holds it "
             "(its layer is replaced in its parent)"
         )
-    plans = []
+    plans, replaced = [], {}
     for path, module, _ in found:
         plan = report["/".join(str(p) for p in path)]
         layer, stored = module, None
         if plan.converted:
             layer = QuantizedLinear.of(module, storage, plan.path)
             _replace(model, path, layer)
+            replaced[id(module)] = (module, layer)
             stored = layer.kernel.get_value()
         plans.append(_sized(plan, module, layer, stored, storage))
+    _replace_shared(model, replaced)
     return ConversionReport(plans)
+
+
+def _replace_shared(model: nnx.Module, replaced: dict) -> None:
+    """Replaces the other references to a converted layer held under several paths (``nnx``
+    lists a shared module once, at its first path) by the same converted layer."""
+    while again := [
+        (path, replaced[id(m)][1])
+        for path, m in nnx.iter_modules(model)
+        if id(m) in replaced and replaced[id(m)][0] is m
+    ]:
+        for path, layer in again:
+            _replace(model, path, layer)
 
 
 def _layer(path: str, module: nnx.Module) -> Layer | None:
@@ -202,7 +222,7 @@ def _refusal(module: nnx.Module) -> str | None:
         return f"not converted: {type(module).__name__} overrides {base.__name__}.__call__"
     if isinstance(module, nnx.LinearGeneral) and module.batch_axis:
         return "not converted: LinearGeneral with batch_axis"
-    return None
+    return hook_refusal(module)
 
 
 def _axes_and_features(layer) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -159,3 +159,17 @@ def kernel_sizes(kernel, stored: MXArray | None) -> tuple[int, int]:
     converted)."""
     nbytes = stored.nbytes if stored is not None else kernel.size * jnp.dtype(kernel.dtype).itemsize
     return nbytes, kernel.size * 2
+
+
+def hook_refusal(layer) -> str | None:
+    """Why ``layer`` (a Flax Linear / Dense) is not converted when it sets its own GEMM hook
+    (``dot_general`` or ``dot_general_cls``, e.g. a :func:`quantize_model` conversion), which
+    its stored weight's GEMM would bypass; ``None`` when it keeps Flax's default."""
+    if getattr(layer, "dot_general", None) in (None, lax.dot_general) and (
+        getattr(layer, "dot_general_cls", None) is None
+    ):
+        return None
+    return (
+        "not converted: the layer sets its own dot_general / dot_general_cls, which its stored "
+        "weight's GEMM would bypass; exclude it or drop the hook"
+    )

@@ -155,7 +155,9 @@ def assert_codes(q, fmt, mode, x, axis):
     got = np.asarray(q.data)
     assert got.dtype == codes.dtype, (got.dtype, codes.dtype)
     nan_block = np.repeat(scale == NAN_BYTE, BLOCK, axis=axis)
-    nonfinite = np.pad(~np.isfinite(x), [(0, c - s) for s, c in zip(x.shape, codes.shape)])
+    nonfinite = np.pad(
+        ~np.isfinite(x), [(0, c - s) for s, c in zip(x.shape, codes.shape, strict=True)]
+    )
     # a NaN or inf element of a NaN-scale block: its code (any sign) is the format's own choice
     mask = nan_block & nonfinite
     np.testing.assert_array_equal(np.where(mask, 0, got), np.where(mask, 0, codes))

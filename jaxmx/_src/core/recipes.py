@@ -220,9 +220,10 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
     (``None``: they come quantized, their rule unknown).
 
     It takes pairs of one scale kind and block: MX formats (E8M0 scales, 32-blocks: MXFP8 E4M3 /
-    E5M2, MXFP4; not MXFP6 or MXINT8, whose elements XLA has no type for) with each other, NVFP4 with NVFP4, and block FP8 whose scales are powers of
-    two (``scale_mode="pow2"``, run as its MXFP8 twin). Float32 block scales are refused:
-    ``lax.scaled_dot``'s decomposition rounds scales to bfloat16.
+    E5M2, MXFP4; not MXFP6 or MXINT8, whose elements XLA has no type for) with each other,
+    NVFP4 with NVFP4, and block FP8 whose scales are powers of two (``scale_mode="pow2"``, run
+    as its MXFP8 twin). Float32 block scales are refused: ``lax.scaled_dot``'s decomposition
+    rounds scales to bfloat16.
 
     Example:
         >>> scaled_dot_problem(("mxfp8_e4m3", "mxfp4"), None)

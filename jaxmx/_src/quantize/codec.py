@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import Format

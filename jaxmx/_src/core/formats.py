@@ -98,8 +98,8 @@ class Format:
 
     @property
     def is_mx(self) -> bool:
-        """Whether scales are E8M0 powers of two (the OCP MX formats: MXFP8, MXFP4), not float32
-        (block FP8) or E4M3 under a tensor scale (NVFP4)."""
+        """Whether scales are E8M0 powers of two (the OCP MX formats: MXFP8, MXFP6, MXFP4,
+        MXINT8), not float32 (block FP8) or E4M3 under a tensor scale (NVFP4)."""
         return self.scale_kind.pow2
 
     @property

@@ -58,8 +58,10 @@ def quantize(
 
     Args:
         x: a float32, bfloat16 or float16 array of any rank >= 1.
-        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"``,
-            ``"fp8_e5m2_block"`` or ``"nvfp4"``.
+        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"mxfp6_e2m3"``,
+            ``"mxfp6_e3m2"``, ``"mxint8"``, ``"fp8_e4m3_block"``, ``"fp8_e5m2_block"`` or
+            ``"nvfp4"`` (``jaxmx.FORMATS``; FP6 codes come in ``uint8``, MXINT8 codes in
+            ``int8``, the value being ``code * 2^-6``).
         axis: the block axis; padded with zeros to a multiple of the block when needed.
         scale_mode: the scale rule; ``None`` takes the format's default. MX formats:
             ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"`` (see

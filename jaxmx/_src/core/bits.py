@@ -82,7 +82,14 @@ def exponent_and_mantissa(amax_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndar
     """``(biased exponent, 23-bit mantissa)`` of the non-negative float32 with bits
     ``amax_bits``, subnormals normalized: ``amax = 2^(exponent - 127) * (1 + mantissa / 2^23)``
     for every non-zero finite amax (the exponent is below 1 for a subnormal; zero gives -149
-    and mantissa 0). NaN and inf keep their exponent field 0xFF."""
+    and mantissa 0). NaN and inf keep their exponent field 0xFF.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> e, m = exponent_and_mantissa(to_bits(jnp.float32(1.5 * 2.0**-130)))
+        >>> int(e) - EXPONENT_BIAS, int(m) == 1 << 22     # 1.5 * 2^-130, a subnormal
+        (-130, True)
+    """
     field = amax_bits >> MANTISSA_BITS
     # a subnormal is m * 2^-149; m < 2^23 converts to float32 exactly, as a normal float
     m_bits = to_bits((amax_bits & MANTISSA_MASK).astype(jnp.float32))

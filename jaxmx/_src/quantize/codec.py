@@ -31,14 +31,28 @@ def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
 
 def to_grid(values: jax.Array, f: Format) -> jax.Array:
     """In-range float32 ``values`` rounded to nearest even on ``f``'s element grid: the decoded
-    values of their codes (integer elements have no -0: a negative that rounds to zero is +0)."""
+    values of their codes (integer elements have no -0: a negative that rounds to zero is +0).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx._src.core.formats import get_format
+        >>> to_grid(jnp.array([0.3, -0.001, 1.0]), get_format("mxint8")).tolist()  # 2^-6 grid
+        [0.296875, 0.0, 1.0]
+    """
     on_grid = bits.round_to_grid(values, f.mbits, f.emin)
     return jnp.where(on_grid == 0, 0.0, on_grid) if f.is_integer else on_grid
 
 
 def integer_codes(on_grid: jax.Array, f: Format) -> jax.Array:
     """The integer codes ``v * 2^mbits`` of values on ``f``'s grid (NaN, which only a block with
-    the NaN scale holds, gives code 0)."""
+    the NaN scale holds, gives code 0).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx._src.core.formats import get_format
+        >>> integer_codes(jnp.array([0.296875, -1.984375]), get_format("mxint8")).tolist()
+        [19, -127]
+    """
     units = jnp.where(jnp.isnan(on_grid), 0.0, on_grid * 2.0**f.mbits)  # exact
     return units.astype(f.dtype)
 

@@ -112,7 +112,7 @@ def ref_dequantize(codes, scale, fmt: str, axis: int, n: int) -> np.ndarray:
 
 
 def adversarial(rng) -> np.ndarray:
-    """[12, 80] float32 rows: zeros, subnormals, NaN, inf, near float32 max, huge spans, grid
+    """[13, 80] float32 rows: zeros, subnormals, NaN, inf, near float32 max, huge spans, grid
     ties and saturating values (80 = two blocks and a padded third)."""
     rows = [rng.standard_normal(80)]
     rows.append(np.zeros(80))
@@ -141,6 +141,11 @@ def adversarial(rng) -> np.ndarray:
     tiny[[2, 50]] = [1.99 * 2.0**-126, 0.995 * 2.0**-126]
     rows.append(tiny)
     rows.append(-np.abs(rng.standard_normal(80)) * 1e-3)
+    # subnormal block maxima where emax = 0 (MXINT8) tells them from 2^-126: rceil's threshold
+    # elem_max * 2^-127 = 0x7F0000 * 2^-149, ceil's 2^-127 and 2^-128
+    sub = rng.integers(1, 1 << 20, 80) * 2.0**-149
+    sub[[0, 32, 64]] = np.array([0x7E8000, 1 << 21, 0x600000]) * 2.0**-149
+    rows.append(sub * rng.choice([-1, 1], 80))
     return np.array(rows, np.float64).astype(np.float32)
 
 

@@ -78,28 +78,58 @@ def pow2(k: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
 
 
+def exponent_and_mantissa(amax_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """``(biased exponent, 23-bit mantissa)`` of the non-negative float32 with bits
+    ``amax_bits``, subnormals normalized: ``amax = 2^(exponent - 127) * (1 + mantissa / 2^23)``
+    for every non-zero finite amax (the exponent is below 1 for a subnormal; zero gives -149
+    and mantissa 0). NaN and inf keep their exponent field 0xFF.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> e, m = exponent_and_mantissa(to_bits(jnp.float32(1.5 * 2.0**-130)))
+        >>> int(e) - EXPONENT_BIAS, int(m) == 1 << 22     # 1.5 * 2^-130, a subnormal
+        (-130, True)
+    """
+    field = amax_bits >> MANTISSA_BITS
+    # a subnormal is m * 2^-149; m < 2^23 converts to float32 exactly, as a normal float
+    m_bits = to_bits((amax_bits & MANTISSA_MASK).astype(jnp.float32))
+    exponent = jnp.where(field == 0, (m_bits >> MANTISSA_BITS) - 149, field)
+    mantissa = jnp.where(field == 0, m_bits & MANTISSA_MASK, amax_bits & MANTISSA_MASK)
+    return exponent, mantissa
+
+
 def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jnp.ndarray:
     """The E8M0 byte ``clamp(exponent(amax) + increment - emax, -127, 127) + 127`` (or 0xFF).
 
     ``amax_bits`` are the float32 bits of a non-negative amax (NaN/Inf have exponent 0xFF and map
-    to the NaN byte). A zero or subnormal amax yields byte 0, the smallest scale.
+    to the NaN byte); the exponent is ``floor(log2(amax))``, subnormals included
+    (:func:`exponent_and_mantissa`). A zero amax yields byte 0, the smallest scale.
+
+    Where ``emax >= 1`` a subnormal amax gives byte 0 with or without normalizing (its exponent
+    is at most 0, the increment at most 1), so its exponent field is taken as it is.
     """
-    exponent = amax_bits >> MANTISSA_BITS
+    exponent = exponent_and_mantissa(amax_bits)[0] if emax < 1 else amax_bits >> MANTISSA_BITS
     byte = jnp.clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
     return jnp.where(exponent == 0xFF, E8M0_NAN, byte)
 
 
 def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
-    """``x * 2**k`` for float32 x and integer k in [-126, 127], exact for subnormal x.
+    """``x * 2**k`` for float32 x and integer k in [-127, 127], exact for subnormal x (k below
+    -127 gives zero: the NaN-scale blocks' ``k = -128``).
 
     Results below 2^-126 are flushed to zero, which is harmless here: they are far below half
-    the smallest subnormal of every MX element format and round to zero anyway.
+    the smallest subnormal of every MX element format and round to zero anyway. ``k = -127``
+    (the largest block exponent where emax is 0: MXINT8) is applied to the exponent field, as
+    no float32 factor (nor a product of two, which XLA may fold) is 2^-127 without flushing.
     """
     bits = to_bits(x)
     is_subnormal = (bits & 0x7F800000) == 0
     magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
     from_subnormal = jnp.where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
-    return jnp.where(is_subnormal, from_subnormal, x * pow2(k))
+    exponent = (bits >> MANTISSA_BITS) & 0xFF
+    by_field = (k == -127) & (exponent > 127) & (exponent < 0xFF)  # the result is normal
+    normal = jnp.where(by_field, from_bits(bits - (127 << MANTISSA_BITS)), x * pow2(k))
+    return jnp.where(is_subnormal, from_subnormal, normal)
 
 
 _division = contextvars.ContextVar("jaxmx_division", default=None)
@@ -238,17 +268,21 @@ def round_to_grid(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
     return from_bits(to_bits(rounded) | (v_bits & jnp.int32(-(2**31))))
 
 
-def encode_fp8(v: jnp.ndarray, mbits: int, emin: int, on_grid: bool = False) -> jnp.ndarray:
-    """Bytes of the 8-bit float (sign, exponent, ``mbits`` mantissa bits, min normal 2^emin)
-    nearest to ``v`` (round to nearest even), for float32 ``v`` within the format's finite range.
+def encode_fp8(
+    v: jnp.ndarray, mbits: int, emin: int, on_grid: bool = False, width: int = 8
+) -> jnp.ndarray:
+    """Bytes of the ``width``-bit float (sign, exponent, ``mbits`` mantissa bits, min normal
+    2^emin; 8 bits, or 6 for FP6 in the low bits of a byte) nearest to ``v`` (round to nearest
+    even), for float32 ``v`` within the format's finite range.
 
     Integer arithmetic on the float32 bits: the same bytes as XLA's convert, in about half its
-    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2). ``on_grid``:
-    ``v`` is already on the format's grid (:func:`round_to_grid`), so no rounding is done (and
-    no ``round`` primitive used, which Pallas' Triton lowering lacks).
+    time on XLA:CPU. NaN becomes the all-ones magnitude (NaN in E4M3 and E5M2, the largest
+    finite value in FP6, which has no NaN). ``on_grid``: ``v`` is already on the format's grid
+    (:func:`round_to_grid`), so no rounding is done (and no ``round`` primitive used, which
+    Pallas' Triton lowering lacks).
     """
     bits = to_bits(v)
-    sign = (bits >> 24) & 0x80
+    sign = (bits >> (32 - width)) & (1 << (width - 1))
     magnitude_bits = bits & 0x7FFFFFFF
     magnitude = from_bits(magnitude_bits)
     shift = MANTISSA_BITS - mbits
@@ -260,19 +294,22 @@ def encode_fp8(v: jnp.ndarray, mbits: int, emin: int, on_grid: bool = False) -> 
     if not on_grid:
         subnormal = lax.round(subnormal, lax.RoundingMethod.TO_NEAREST_EVEN)
     code = jnp.where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
-    code = jnp.where(jnp.isnan(v), 0x7F, code) | sign
+    code = jnp.where(jnp.isnan(v), (1 << (width - 1)) - 1, code) | sign
     return code.astype(jnp.uint8)
 
 
-def decode_fp8(code: jnp.ndarray, mbits: int, emin: int, ieee_specials: bool) -> jnp.ndarray:
-    """float32 values of 8-bit float bytes (the inverse of :func:`encode_fp8`), exactly.
+def decode_fp8(
+    code: jnp.ndarray, mbits: int, emin: int, ieee_specials: bool, width: int = 8
+) -> jnp.ndarray:
+    """float32 values of ``width``-bit float bytes (the inverse of :func:`encode_fp8`), exactly.
 
     ``ieee_specials``: the all-ones exponent holds inf and NaN (E5M2); otherwise only the
-    all-ones magnitude is NaN (E4M3).
+    all-ones magnitude is NaN (E4M3), or, for 6-bit floats, nothing is (FP6 has no specials).
     """
     code = code.astype(jnp.int32)
-    sign = (code & 0x80) << 24
-    magnitude = code & 0x7F
+    sign_bit = 1 << (width - 1)
+    sign = (code & sign_bit) << (32 - width)
+    magnitude = code & (sign_bit - 1)
     shift = MANTISSA_BITS - mbits
     normal = (magnitude + ((EXPONENT_BIAS - (1 - emin)) << mbits)) << shift
     subnormal = to_bits(magnitude.astype(jnp.float32) * 2.0 ** (emin - mbits))
@@ -281,4 +318,6 @@ def decode_fp8(code: jnp.ndarray, mbits: int, emin: int, ieee_specials: bool) ->
         top = 0x7F - (1 << mbits) + 1  # exponent all ones, mantissa zero: inf
         out = jnp.where(magnitude == top, jnp.where(sign != 0, -jnp.inf, jnp.inf), out)
         return jnp.where(magnitude > top, jnp.nan, out)
+    if width < 8:
+        return out
     return jnp.where(magnitude == 0x7F, jnp.nan, out)

@@ -1,6 +1,7 @@
 """Block-scaled element formats: the static facts a quantizer and a GEMM need about each one.
 
-The OCP MX formats (32-element blocks, E8M0 power-of-two scales), the block-FP8 formats of
+The OCP MX formats (32-element blocks, E8M0 power-of-two scales: MXFP8, MXFP6, MXFP4, MXINT8),
+the block-FP8 formats of
 DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales) and NVFP4 (E2M1 in
 16-element blocks, E4M3 block scales and one float32 scale per tensor), and FP8 with one float32
 scale per tensor or per row (torchao's tensorwise and axiswise current scaling).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
@@ -56,11 +58,17 @@ class Format:
 
     Attributes:
         name: the public name, e.g. ``"mxfp8_e4m3"``.
-        dtype: the element dtype (``float8_e4m3fn``, ``float8_e5m2``, ``float4_e2m1fn``).
+        dtype: the dtype the element codes are stored in (``float8_e4m3fn``, ``float8_e5m2``,
+            ``float4_e2m1fn``, ``int8``; ``uint8`` for FP6, whose dtypes XLA does not take: the
+            6-bit code in the low bits of a byte).
+        element_dtype: the element type itself where it differs from ``dtype`` (ml_dtypes'
+            ``float6_e2m3fn`` / ``float6_e3m2fn`` for codes held in ``uint8``), else ``None``.
         elem_max: the largest finite element magnitude.
         emax: exponent of the largest power of two in the element format.
-        mbits: explicit mantissa bits of the element format.
-        emin: exponent of the smallest normal element (subnormals share its quantum).
+        mbits: explicit mantissa bits of the element format (MXINT8: 6, the fraction bits of its
+            two's-complement code times the implicit 2^-6).
+        emin: exponent of the smallest normal element (subnormals share its quantum; MXINT8:
+            0, so every element is a multiple of 2^(emin - mbits) = 2^-6).
         block: elements per scale along the block axis (32 for every OCP MX format, 128 for
             block FP8, 16 for NVFP4); 1 where ``span`` is not ``"block"`` (no padding, no
             block alignment to keep).
@@ -84,6 +92,7 @@ class Format:
     emin: int
     block: int
     scale_kind: ScaleKind
+    element_dtype: np.dtype | None = None
     gemm: str | None = None
     span: str = "block"
     pow2_twin: str | None = None
@@ -99,8 +108,8 @@ class Format:
 
     @property
     def is_mx(self) -> bool:
-        """Whether scales are E8M0 powers of two (the OCP MX formats: MXFP8, MXFP4), not float32
-        (block FP8) or E4M3 under a tensor scale (NVFP4)."""
+        """Whether scales are E8M0 powers of two (the OCP MX formats: MXFP8, MXFP6, MXFP4,
+        MXINT8), not float32 (block FP8) or E4M3 under a tensor scale (NVFP4)."""
         return self.scale_kind.pow2
 
     @property
@@ -119,19 +128,49 @@ class Format:
         return int(np.float32(self.elem_max).view(np.uint32)) & 0x7FFFFF
 
     @property
+    def elements(self) -> np.dtype:
+        """The element type: :attr:`element_dtype`, or the storage ``dtype`` itself."""
+        return self.dtype if self.element_dtype is None else self.element_dtype
+
+    @property
+    def is_integer(self) -> bool:
+        """Whether elements are two's-complement integers (MXINT8: ``code * 2^-mbits``)."""
+        return bool(jnp.issubdtype(self.elements, jnp.integer))
+
+    @property
     def is_fp8(self) -> bool:
-        """Whether elements are 8-bit floats (encoded and decoded by integer code)."""
-        return self.bits == 8
+        """Whether elements are 8-bit floats."""
+        return not self.is_integer and self.bits == 8
+
+    @property
+    def byte_coded(self) -> bool:
+        """Whether elements are floats held one per byte (FP8, and FP6 in ``uint8``): encoded and
+        decoded by integer arithmetic on their bits, not by a cast."""
+        return not self.is_integer and self.storage_bits == 8
 
     @property
     def has_inf(self) -> bool:
         """Whether the element format has infinities (IEEE-style specials: E5M2)."""
-        return bool(np.isinf(np.array(np.inf).astype(self.dtype)))
+        if self.is_integer:
+            return False
+        return bool(np.isinf(np.array(np.inf).astype(self.elements)))
 
     @property
     def bits(self) -> int:
-        """Storage bits per element."""
-        return jnp.finfo(self.dtype).bits
+        """Bits per element (6 for FP6, stored in 8: see :attr:`storage_bits`)."""
+        return _bits(self.elements)
+
+    @property
+    def storage_bits(self) -> int:
+        """Bits per element in memory (E2M1 counted as 4; FP6 takes a byte)."""
+        return _bits(self.dtype)
+
+
+def _bits(dtype) -> int:
+    """The width of an integer or float dtype in bits."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    return jnp.finfo(dtype).bits
 
 
 SPANS = ("block", "row", "tensor")
@@ -197,6 +236,24 @@ _E5M2_ELEMENTS = dict(
     dtype=jnp.dtype(jnp.float8_e5m2), elem_max=57344.0, emax=15, mbits=2, emin=-14
 )
 _E2M1_ELEMENTS = dict(dtype=jnp.dtype(jnp.float4_e2m1fn), elem_max=6.0, emax=2, mbits=1, emin=0)
+_E2M3_ELEMENTS = dict(
+    dtype=jnp.dtype(jnp.uint8),
+    element_dtype=np.dtype(ml_dtypes.float6_e2m3fn),
+    elem_max=7.5,
+    emax=2,
+    mbits=3,
+    emin=0,
+)
+_E3M2_ELEMENTS = dict(
+    dtype=jnp.dtype(jnp.uint8),
+    element_dtype=np.dtype(ml_dtypes.float6_e3m2fn),
+    elem_max=28.0,
+    emax=4,
+    mbits=2,
+    emin=-2,
+)
+# MXINT8 as Microsoft's microxcaling implements it: int8 codes times 2^-6, symmetric +-127
+_INT8_ELEMENTS = dict(dtype=jnp.dtype(jnp.int8), elem_max=127 / 64, emax=0, mbits=6, emin=0)
 
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -204,6 +261,9 @@ FORMATS: dict[str, Format] = {
         Format(name="mxfp8_e4m3", **_E4M3_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="mx"),
         Format(name="mxfp8_e5m2", **_E5M2_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="mx"),
         Format(name="mxfp4", **_E2M1_ELEMENTS, block=32, scale_kind=E8M0_SCALES, gemm="fp4"),
+        Format(name="mxfp6_e2m3", **_E2M3_ELEMENTS, block=32, scale_kind=E8M0_SCALES),
+        Format(name="mxfp6_e3m2", **_E3M2_ELEMENTS, block=32, scale_kind=E8M0_SCALES),
+        Format(name="mxint8", **_INT8_ELEMENTS, block=32, scale_kind=E8M0_SCALES),
         Format(
             name="fp8_e4m3_block",
             **_E4M3_ELEMENTS,

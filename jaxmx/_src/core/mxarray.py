@@ -123,12 +123,12 @@ class MXArray:
 
     @property
     def nbytes(self) -> int:
-        """Storage of data and scales in bytes (E2M1 counted as half a byte per element; the
-        NVFP4 tensor scale included)."""
+        """Storage of data and scales in bytes (E2M1 counted as half a byte per element, FP6 as
+        the byte that holds it; the NVFP4 tensor scale included)."""
         scales = self.scale.size * self.scale.itemsize
         if self.global_scale is not None:
             scales += self.global_scale.size * 4
-        return self.data.size * self.format.bits // 8 + scales
+        return self.data.size * self.format.storage_bits // 8 + scales
 
     def __repr__(self) -> str:
         tile = f", tile={self.tile}" if self.tile else ""

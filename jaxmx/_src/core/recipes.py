@@ -239,9 +239,10 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
     (``None``: they come quantized, their rule unknown).
 
     It takes pairs of one scale kind and block: MX formats (E8M0 scales, 32-blocks: MXFP8 E4M3 /
-    E5M2, MXFP4) with each other, NVFP4 with NVFP4, and block FP8 whose scales are powers of
-    two (``scale_mode="pow2"``, run as its MXFP8 twin). Float32 block scales are refused:
-    ``lax.scaled_dot``'s decomposition rounds scales to bfloat16.
+    E5M2, MXFP4; not MXFP6 or MXINT8, whose elements XLA has no type for) with each other,
+    NVFP4 with NVFP4, and block FP8 whose scales are powers of two (``scale_mode="pow2"``, run
+    as its MXFP8 twin). Float32 block scales are refused: ``lax.scaled_dot``'s decomposition
+    rounds scales to bfloat16.
 
     Example:
         >>> scaled_dot_problem(("mxfp8_e4m3", "mxfp4"), None)
@@ -251,6 +252,13 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
     """
     fs = [get_format(f) for f in formats]
     names = " x ".join(f.name for f in fs)
+    for f in fs:
+        if f.element_dtype is not None or f.is_integer:
+            return (
+                f"{names}: {f.name}'s elements have no XLA element type for lax.scaled_dot "
+                "(FP6 codes are held in uint8, XLA rejects the float6 dtypes; MXINT8's int8 codes "
+                "carry an implicit 2^-6); use backend='emulate' or 'auto'"
+            )
     spans = [f for f in fs if f.span != "block"]
     if spans:
         return (

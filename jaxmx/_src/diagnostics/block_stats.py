@@ -48,7 +48,9 @@ class BlockStats:
             ``inf`` when the std is 0 and ``amax > 0``, 0 for an all-zero block.
         underflow: the fraction of the block's non-zero elements ``x`` with ``|x| / 2^e`` below
             the element format's smallest normal (``2^-6`` for E4M3, ``2^-14`` for E5M2, 1 for
-            E2M1): they lose precision as subnormals. 0 for an all-zero block.
+            E2M1 and E2M3, ``2^-2`` for E3M2): they lose precision as subnormals. MXINT8: below
+            1, where its fixed 2^-6 step leaves an element fewer than 7 significant bits. 0 for
+            an all-zero block.
         flushed: the fraction of the block's non-zero elements that quantize to zero.
         saturated: the fraction of non-zero elements with ``|x| / 2^e`` above the format's
             largest value, i.e. clipped (0 under ``rceil``).

@@ -108,6 +108,7 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
         return {"default": "limited"}
     if backend == "ffi":
         _check_native_route(gemm.formats)
+        _check_native_formats(gemm.formats)
         return {"default": "native"}
     if backend == "xla":
         return {"default": _scaled_dot(gemm)}
@@ -116,6 +117,17 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
         return emulated
     native = _native_on_cuda(gemm, capabilities or caps.current())
     return emulated if native is None else {**emulated, "cuda": native}
+
+
+def _check_native_formats(formats: tuple[str, str]) -> None:
+    """A NotImplementedError naming the first of ``formats`` that no native GEMM takes."""
+    for name in formats:
+        if get_format(name).gemm is None:
+            raise NotImplementedError(
+                f"jaxmx GEMM, backend='ffi': {name} has no native GEMM (cuBLASLt's block-scaled "
+                "matmul takes FP8 and FP4 operands, and documents no FP6 or INT8 one); use "
+                "backend='auto' or 'emulate'"
+            )
 
 
 def native_family(formats: tuple[str, ...]) -> str | None:

@@ -18,9 +18,10 @@ NVFP4 operands (:mod:`jaxmx._src.quantize.nvfp4`) enter the dot as ``code * s`` 
 significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
 ``alpha = g_a * g_b``, their tensor scales' float32 product, as cuBLASLt applies alpha.
 
-Operands enter the dot as bfloat16, exactly: an element times a power of two has at most 6
-significant bits (4 for E4M3 times an E8M0 scale, 6 for an NVFP4 ``code * s``) and float32's
-exponent range, and bf16 x bf16 products are exact in float32. It is also the fast form on CPUs
+Operands enter the dot as bfloat16, exactly: an element times a power of two has at most 7
+significant bits (4 for E4M3 times an E8M0 scale, 6 for an NVFP4 ``code * s``, 7 for an MXINT8
+code up to 127) and float32's exponent range, within bfloat16's 8, and bf16 x bf16 products are
+exact in float32. It is also the fast form on CPUs
 with native bf16 dot products: there XLA:CPU multiplies bfloat16 operands up to 2x faster than
 float32 ones (docs/benchmarks.md, "GEMM operands").
 

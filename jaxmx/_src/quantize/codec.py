@@ -13,26 +13,57 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import Format
 
 
 def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
-    """RNE cast of in-range float32 values to the element dtype (``on_grid``: the values are
-    already on the element grid, see :func:`jaxmx._src.core.bits.round_to_grid`)."""
-    if f.is_fp8:
-        code = bits.encode_fp8(values, f.mbits, f.emin, on_grid)
-        return lax.bitcast_convert_type(code, f.dtype)
+    """RNE cast of in-range float32 values to the element codes (``on_grid``: the values are
+    already on the element grid, see :func:`to_grid`)."""
+    if f.byte_coded:
+        code = bits.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits)
+        return bits.from_bytes(code, f.dtype)
+    if f.is_integer:
+        return integer_codes(values if on_grid else to_grid(values, f), f)
     return values.astype(f.dtype)
+
+
+def to_grid(values: jax.Array, f: Format) -> jax.Array:
+    """In-range float32 ``values`` rounded to nearest even on ``f``'s element grid: the decoded
+    values of their codes (integer elements have no -0: a negative that rounds to zero is +0).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx._src.core.formats import get_format
+        >>> to_grid(jnp.array([0.3, -0.001, 1.0]), get_format("mxint8")).tolist()  # 2^-6 grid
+        [0.296875, 0.0, 1.0]
+    """
+    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
+    return jnp.where(on_grid == 0, 0.0, on_grid) if f.is_integer else on_grid
+
+
+def integer_codes(on_grid: jax.Array, f: Format) -> jax.Array:
+    """The integer codes ``v * 2^mbits`` of values on ``f``'s grid (NaN, which only a block with
+    the NaN scale holds, gives code 0).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx._src.core.formats import get_format
+        >>> integer_codes(jnp.array([0.296875, -1.984375]), get_format("mxint8")).tolist()
+        [19, -127]
+    """
+    units = jnp.where(jnp.isnan(on_grid), 0.0, on_grid * 2.0**f.mbits)  # exact
+    return units.astype(f.dtype)
 
 
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
     """float32 values of element codes of format ``f``, exactly."""
-    if f.is_fp8:
+    if f.byte_coded:
         code = bits.as_bytes(data)
-        return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf)
+        return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits)
+    if f.is_integer:
+        return data.astype(jnp.float32) * 2.0**-f.mbits
     return data.astype(jnp.float32)
 
 

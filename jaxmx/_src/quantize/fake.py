@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import blocked, blocked_shape, padded_shape, scale_shape
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize.codec import decode_elements
+from jaxmx._src.quantize.codec import decode_elements, to_grid
 from jaxmx._src.quantize.quantize import checked_arguments, dequantize, quantize
 from jaxmx._src.quantize.rounding import uniform_noise
 from jaxmx._src.quantize.scales import rule_of
@@ -99,7 +98,7 @@ def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> Gri
     rule, xb = rule_of(f), blocked(x, axis, f.block)
     codes, values, _ = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape))
     scale = rule.scales(codes)
-    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
+    on_grid = to_grid(values, f)
     return GridArray(
         data=on_grid.reshape(padded_shape(x.shape, axis, f.block)),
         scale=scale.reshape(scale_shape(x.shape, axis, f.block)),

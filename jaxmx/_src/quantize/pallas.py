@@ -52,6 +52,7 @@ from jaxmx._src.core.sizes import ceil_div
 from jaxmx._src.core.swizzle import COL_TILE, ROW_TILE
 from jaxmx._src.core.vma import vary_like
 from jaxmx._src.quantize import nvfp4
+from jaxmx._src.quantize.codec import encode, to_grid
 from jaxmx._src.quantize.impl import PALLAS_TILE as TILE
 from jaxmx._src.quantize.rounding import uniform_noise
 from jaxmx._src.quantize.scales import rule_of
@@ -298,11 +299,11 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
     g = None if g is None else g.reshape(())
     scale, values, _ = rule_of(f).scaled(xb, f, scale_mode, draws, g)
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
-    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
-    if f.is_fp8:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
-        codes = bits.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True)
+    on_grid = to_grid(values, f)
+    if f.byte_coded:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
+        codes = bits.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True, width=f.bits)
     else:  # on the grid: the cast is exact
-        codes = on_grid.astype(f.dtype)
+        codes = encode(on_grid, f, on_grid=True)
     (t0, t1), (r, c) = v.shape, block
     return _from_blocks(codes, v.shape, block), scale.reshape(t0 // r, t1 // c)
 
@@ -346,7 +347,7 @@ def _out_struct(shape, dtype, like):
 
 
 def _code_dtype(f: Format):
-    return jnp.uint8 if f.is_fp8 else f.dtype
+    return jnp.uint8 if f.byte_coded else f.dtype
 
 
 def _scale_dtype(f: Format):
@@ -356,7 +357,7 @@ def _scale_dtype(f: Format):
 
 def _as_codes(data: jax.Array, f: Format) -> jax.Array:
     """The kernels' element output as ``f``'s dtype (fp8 codes come out as bytes)."""
-    return bits.from_bytes(data, f.dtype) if f.is_fp8 else data
+    return bits.from_bytes(data, f.dtype) if f.byte_coded else data
 
 
 def _beyond_zeroed(scale, tile_index, limits):

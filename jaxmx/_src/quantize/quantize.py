@@ -59,10 +59,12 @@ def quantize(
 
     Args:
         x: a float32, bfloat16 or float16 array of any rank >= 1.
-        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"``,
-            ``"fp8_e5m2_block"``, ``"nvfp4"``, or the FP8 formats with one float32 scale per
-            tensor (``"fp8_e4m3_tensor"``, ``"fp8_e5m2_tensor"``) or per row along ``axis``
-            (``"fp8_e4m3_row"``, ``"fp8_e5m2_row"``).
+        fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"mxfp6_e2m3"``,
+            ``"mxfp6_e3m2"``, ``"mxint8"``, ``"fp8_e4m3_block"``, ``"fp8_e5m2_block"``,
+            ``"nvfp4"``, or the FP8 formats with one float32 scale per tensor
+            (``"fp8_e4m3_tensor"``, ``"fp8_e5m2_tensor"``) or per row along ``axis``
+            (``"fp8_e4m3_row"``, ``"fp8_e5m2_row"``) (``jaxmx.FORMATS``; FP6 codes come in
+            ``uint8``, MXINT8 codes in ``int8``, the value being ``code * 2^-6``).
         axis: the block axis; padded with zeros to a multiple of the block when needed. For
             per-row formats a scale covers the whole axis (one per index of the other axes).
         scale_mode: the scale rule; ``None`` takes the format's default. MX formats:

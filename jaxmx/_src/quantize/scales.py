@@ -86,8 +86,13 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
 
 
 def _round_up(amax_bits, f: Format, scale_mode: str):
-    """Whether the block exponent is one above floor(log2(amax)) - emax, per scale mode."""
-    mantissa = amax_bits & bits.MANTISSA_MASK
+    """Whether the block exponent is one above floor(log2(amax)) - emax, per scale mode (a
+    subnormal amax normalized where that can change the byte: emax 0, MXINT8; see
+    :func:`~jaxmx._src.core.bits.scale_bytes`)."""
+    if f.emax < 1:
+        _, mantissa = bits.exponent_and_mantissa(amax_bits)
+    else:
+        mantissa = amax_bits & bits.MANTISSA_MASK
     if scale_mode == "floor":
         return jnp.zeros_like(mantissa)
     if scale_mode == "ceil":

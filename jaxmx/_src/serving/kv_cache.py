@@ -151,7 +151,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held: codes (4-bit codes as half a byte), scales and the page table."""
-        codes = 2 * self.k_codes.size * self.format.bits // 8
+        codes = 2 * self.k_codes.size * self.format.storage_bits // 8
         scales = 2 * self.k_scales.size * self.k_scales.dtype.itemsize
         table = 0 if self.page_table is None else self.page_table.size * 4
         return codes + scales + table

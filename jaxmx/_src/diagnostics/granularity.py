@@ -35,11 +35,12 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.recipes import DEEPSEEK_FP8, MXFP8, NVFP4, Recipe
-from jaxmx._src.quantize.codec import decode_elements
+from jaxmx._src.quantize.codec import decode_elements, encode
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.training.scope import Leg, Tap, observing
@@ -98,7 +99,8 @@ class LevelStats(NamedTuple):
             exact).
         span_p50, span_p90, span_p99, span_max: quantiles of the groups' span ratio
             ``amax_g / std_g`` (population std; as :class:`jaxmx.diagnostics.BlockStats`), one
-            group per scale of the level.
+            group per scale of the level; ``span_pq`` is the smallest span with at least q% of
+            the groups at or below it.
         span_above_2_10, span_above_limit: the fraction of groups whose span ratio exceeds
             ``2^10`` and the format's span (``elem_max`` over its smallest normal).
         groups: the number of groups (scales).
@@ -333,12 +335,13 @@ def _measure(x, *, element: str, axis: int, levels: tuple[str, ...]) -> tuple[Le
 def _current_scaling(x: jax.Array, f: Format, *, rowwise: bool) -> tuple[jax.Array, jax.Array]:
     """Current scaling, as torchao's float8 tensorwise (``rowwise=False``) and axiswise
     (``rowwise``: per row along the last axis) scaling: ``scale = elem_max / max(amax, 1e-12)``
-    in float32, ``codes = cast_RNE(clip(x * scale, ±elem_max))``, dequantized ``codes / scale``.
+    in float32, ``codes = cast_RNE(clip(x * scale, ±elem_max))`` (jaxmx's exact codec: XLA's
+    own float32-to-fp8 convert may round twice), dequantized ``codes / scale``.
     Returns ``(codes, dequantized)`` as float32."""
     amax = jnp.max(jnp.abs(x), axis=-1 if rowwise else None, keepdims=True)
-    scale = jnp.float32(f.elem_max) / jnp.maximum(amax, jnp.float32(1e-12))
-    codes = jnp.clip(x * scale, -f.elem_max, f.elem_max).astype(f.dtype).astype(jnp.float32)
-    return codes, codes / scale
+    scale = bits.divide(jnp.float32(f.elem_max), jnp.maximum(amax, jnp.float32(1e-12)))
+    codes = decode_elements(encode(jnp.clip(x * scale, -f.elem_max, f.elem_max), f), f)
+    return codes, bits.divide(codes, scale)
 
 
 def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
@@ -389,8 +392,10 @@ def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
     noise = jnp.sum((x - xhat) ** 2)
     sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(jnp.sum(x**2) / noise))
 
-    def quantile(q):
-        return jnp.percentile(spans, q, method="nearest").astype(jnp.float32)
+    ordered = jnp.sort(spans)
+
+    def quantile(q):  # the smallest span with at least q% of the groups at or below it
+        return ordered[max(math.ceil(q / 100 * spans.size) - 1, 0)].astype(jnp.float32)
 
     return LevelStats(
         underflow=fraction(jnp.abs(codes) < 2.0**f.emin),

@@ -195,19 +195,20 @@ class MLP(nn.Module):
         return nn.Dense(8, name="head")(h)
 
 
-def _advice(model, budget=0.01):
+def _advice(model, budget=0.01, levels=("tensor", "128x128", "1x128", "mx32")):
     x = jnp.asarray(outlier_in_rows()[:32, :128])
     params = model.init(jax.random.key(0), x)
 
     def loss(params, x):
         return jnp.mean(model.apply(params, x) ** 2)
 
-    return diagnostics.advise(loss, params, x, underflow_budget=budget), params, x
+    advice = diagnostics.advise(loss, params, x, levels=levels, underflow_budget=budget)
+    return advice, params, x
 
 
 def test_advise_names_every_dense_and_leg():
     model = mxl.quantize_model(MLP(), exclude_defaults=False)
-    advice, _, _ = _advice(model, budget=0.05)
+    advice, _, _ = _advice(model, budget=0.05, levels=("tensor", "128x128", "mx32"))
     assert list(advice) == ["up", "down", "head"]
     for name, layer in advice.items():
         assert list(layer.legs) == ["lhs", "rhs", "dgrad", "wgrad"], name
@@ -223,7 +224,7 @@ def test_advise_names_every_dense_and_leg():
 
 def test_advice_to_mapping_to_quantize_model():
     model = mxl.quantize_model(MLP())  # head stays in high precision
-    advice, params, x = _advice(model)
+    advice, params, x = _advice(model, levels=("tensor", "mx32"))
     assert list(advice) == ["up", "down"]
     everything = {**diagnostics.LEVEL_RECIPES, "tensor": jaxmx.recipes.MXFP8_HYBRID,
                   "row": jaxmx.recipes.MXFP8_2D}

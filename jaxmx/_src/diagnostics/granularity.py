@@ -442,16 +442,15 @@ def _columns(rows) -> str:
 
 # --- in training: every GEMM leg of one step ------------------------------------------------
 
-def _leg_levels(element: str, ndim: int, leg: str) -> tuple[str, ...]:
+def _leg_levels(levels: tuple[str, ...], leg: str) -> tuple[str, ...]:
     """The levels measured on a leg: ``"128x128"`` tiles for the weight (``rhs``) only."""
-    levels = available_levels(element, ndim)
     return levels if leg == "rhs" else tuple(lv for lv in levels if lv != "128x128")
 
 
-def _leg_stats(leg: Leg, element: str, name: str) -> tuple[LevelStats, ...]:
+def _leg_stats(leg: Leg, element: str, levels: tuple[str, ...], name: str):
     x = jax.lax.stop_gradient(leg.x).astype(jnp.float32)
     axis = normalize_axis(leg.axis, x.ndim)
-    return _measure(x, element=element, axis=axis, levels=_leg_levels(element, x.ndim, name))
+    return _measure(x, element=element, axis=axis, levels=_leg_levels(levels, name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,11 +458,12 @@ class _GradientLegs:
     """A GEMM's backward hook (hashable): the stats of the output gradient's two copies."""
 
     element: str
+    levels: tuple[str, ...]
 
     def __call__(self, dgrad: Leg, wgrad: Leg) -> dict[str, tuple[LevelStats, ...]]:
         return {
-            "dgrad": _leg_stats(dgrad, self.element, "dgrad"),
-            "wgrad": _leg_stats(wgrad, self.element, "wgrad"),
+            "dgrad": _leg_stats(dgrad, self.element, self.levels, "dgrad"),
+            "wgrad": _leg_stats(wgrad, self.element, self.levels, "wgrad"),
         }
 
 
@@ -471,8 +471,8 @@ class _Advisor:
     """The observer of :func:`advise`: each GEMM's forward legs measured at trace time, its
     backward legs through its tap (see :mod:`jaxmx._src.training.scope`)."""
 
-    def __init__(self, taps: dict | None, element: str):
-        self.taps, self.element = taps, element
+    def __init__(self, taps: dict | None, element: str, levels: tuple[str, ...]):
+        self.taps, self.element, self.levels = taps, element, levels
         self.forward: dict[str, dict[str, tuple[LevelStats, ...]]] = {}
         self._trace = jax.extend.core.get_opaque_trace_state()
 
@@ -488,12 +488,12 @@ class _Advisor:
             if c not in self.forward
         )
         self.forward[name] = {
-            "lhs": _leg_stats(lhs, self.element, "lhs"),
-            "rhs": _leg_stats(rhs, self.element, "rhs"),
+            "lhs": _leg_stats(lhs, self.element, self.levels, "lhs"),
+            "rhs": _leg_stats(rhs, self.element, self.levels, "rhs"),
         }
         if self.taps is None:
             return None
-        return Tap(self.taps[name], _GradientLegs(self.element))
+        return Tap(self.taps[name], _GradientLegs(self.element, self.levels))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -561,6 +561,7 @@ def advise(
     fn: Callable,
     *args,
     fmt: str | Format = "fp8_e4m3",
+    levels: tuple[str, ...] | None = None,
     underflow_budget: float = 1e-3,
     **kwargs,
 ) -> Advice:
@@ -578,6 +579,9 @@ def advise(
     Args:
         fn: the loss function; ``args`` and ``kwargs`` are closed over (arrays, Flax modules).
         fmt: the element format measured (as for :func:`granularity`).
+        levels: the levels measured (as for :func:`granularity`; ``None``: all the format has).
+            ``"128x128"`` is measured on the weight (``rhs``) only: activations and gradients
+            are not tiled.
         underflow_budget: the largest underflow fraction a level may leave, in [0, 1].
 
     Returns:
@@ -595,11 +599,12 @@ def advise(
         ('tensor', ['dgrad', 'lhs', 'rhs', 'wgrad'])
     """
     element = element_of(fmt)
+    levels = _checked_levels(levels, element, 2)
     _check_budget(underflow_budget)
     observers: list[_Advisor] = []
 
     def run(taps):
-        observers.append(_Advisor(taps, element))
+        observers.append(_Advisor(taps, element, levels))
         with observing(observers[-1]):
             loss = fn(*args, **kwargs)
         return loss, observers[-1].forward
@@ -608,32 +613,32 @@ def advise(
     names = list(observers[0].forward)
     if not names:
         raise ValueError("jaxmx.diagnostics.advise: the step ran no jaxmx GEMM; nothing to advise")
-    taps = {name: _zero_taps(element, observers[0].forward[name]) for name in names}
+    taps = {name: _zero_taps(levels) for name in names}
     (loss, forward), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(taps)
     forward, grads = jax.device_get((forward, grads))
     return Advice(
-        {name: _layer_advice(name, forward[name], grads[name], element, underflow_budget)
-         for name in names},
+        {
+            name: _layer_advice(name, forward[name], grads[name], element, levels, underflow_budget)
+            for name in names
+        },
         underflow_budget=float(underflow_budget),
         loss=float(loss),
     )
 
 
-def _zero_taps(element: str, forward: dict) -> dict[str, tuple[LevelStats, ...]]:
-    """A GEMM's zero tap: the structure of its gradient legs' stats (of the rank of its
-    forward ``lhs``, the batched ``[B, M, K]`` canonical form, as the gradient's)."""
+def _zero_taps(levels: tuple[str, ...]) -> dict[str, tuple[LevelStats, ...]]:
+    """A GEMM's zero tap: the structure of its gradient legs' stats."""
     zero = LevelStats(*[jnp.zeros((), jnp.float32)] * len(LevelStats._fields))
-    n = len(forward["lhs"])  # the gradient legs measure the same levels as lhs
+    n = len(_leg_levels(levels, "dgrad"))
     return {"dgrad": (zero,) * n, "wgrad": (zero,) * n}
 
 
-def _layer_advice(name, forward, gradients, element, budget) -> LayerAdvice:
+def _layer_advice(name, forward, gradients, element, levels, budget) -> LayerAdvice:
     measured = {**forward, **gradients}
-    ndim = 3  # the canonical GEMM operands are batched [B, rows, K]
     legs = {
         leg: Granularity(
             stats=tuple(measured[leg]),
-            names=_leg_levels(element, ndim, leg),
+            names=_leg_levels(levels, leg),
             element=element,
             span_limit=_span_limit(element),
             underflow_budget=float(budget),

@@ -182,6 +182,8 @@ def test_bad_input():
     with pytest.raises(ValueError, match="underflow_budget"):
         diagnostics.granularity(x, underflow_budget=2)
     assert "128x128" not in diagnostics.granularity(jnp.ones(256)).names
+    with pytest.raises(ValueError, match="measures the weights only"):
+        diagnostics.advise(lambda x: x.sum(), x, levels=("128x128",))
 
 
 # --- in training --------------------------------------------------------------------------------

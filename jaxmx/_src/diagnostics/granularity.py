@@ -600,6 +600,11 @@ def advise(
     """
     element = element_of(fmt)
     levels = _checked_levels(levels, element, 2)
+    if levels == ("128x128",):
+        raise ValueError(
+            "jaxmx.diagnostics.advise: levels=('128x128',) measures the weights only; add a level "
+            "for the activations and gradients"
+        )
     _check_budget(underflow_budget)
     observers: list[_Advisor] = []
 

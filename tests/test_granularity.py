@@ -128,8 +128,12 @@ def test_statistics_match_numpy_reference(case):
     for level, stats in g.levels.items():
         ref = reference_stats(x, level, "fp8_e4m3")
         for field in ("underflow", "flushed", "span_max", "span_p50", "groups"):
-            np.testing.assert_allclose(float(getattr(stats, field)), ref[field], rtol=1e-5,
-                                       err_msg=f"{case} {level} {field}")
+            np.testing.assert_allclose(
+                float(getattr(stats, field)),
+                ref[field],
+                rtol=1e-5,
+                err_msg=f"{case} {level} {field}",
+            )
         np.testing.assert_allclose(float(stats.sqnr_db), ref["sqnr_db"], atol=1e-3)
         assert float(stats.saturated) == 0.0
 
@@ -161,8 +165,9 @@ def test_recommendation(case):
 def test_axis_and_format_names():
     x = row_magnitudes()
     by_rows = diagnostics.granularity(jnp.asarray(x), fmt="mxfp8_e4m3", levels="row")
-    by_cols = diagnostics.granularity(jnp.asarray(x.T), fmt=jaxmx.FORMATS["fp8_e4m3_block"],
-                                      axis=0, levels="row")
+    by_cols = diagnostics.granularity(
+        jnp.asarray(x.T), fmt=jaxmx.FORMATS["fp8_e4m3_block"], axis=0, levels="row"
+    )
     assert by_rows.element == by_cols.element == "fp8_e4m3"
     assert float(by_rows.levels["row"].underflow) == float(by_cols.levels["row"].underflow)
     nvfp4 = diagnostics.granularity(jnp.asarray(x), fmt="nvfp4")
@@ -175,7 +180,7 @@ def test_bad_input():
         diagnostics.granularity(x, levels=("1x64",))
     with pytest.raises(ValueError, match="unknown fmt 'int8'"):
         diagnostics.granularity(x, fmt="int8")
-    with pytest.raises(ValueError, match="'128x128' tiles the last two axes.*1-D"):
+    with pytest.raises(ValueError, match=r"'128x128' tiles the last two axes.*1-D"):
         diagnostics.granularity(jnp.ones(256), levels=("128x128",))
     with pytest.raises(ValueError, match="fp8_e4m3 has no level"):
         diagnostics.granularity(x, levels=("nvfp4_16",))
@@ -223,8 +228,11 @@ def test_advise_table_and_its_mapping_through_quantize_model():
     assert all(name in table for name in advice) and "wgrad" in table
     assert np.isfinite(advice.loss)
 
-    everything = {**diagnostics.LEVEL_RECIPES, "tensor": jaxmx.recipes.MXFP8_HYBRID,
-                  "row": jaxmx.recipes.MXFP8_2D}
+    everything = {
+        **diagnostics.LEVEL_RECIPES,
+        "tensor": jaxmx.recipes.MXFP8_HYBRID,
+        "row": jaxmx.recipes.MXFP8_2D,
+    }
     mapping = diagnostics.advised_recipes(advice, everything)
     assert mapping == {name: everything[advice[name].level] for name in advice}
     advised = mxl.quantize_model(MLP(), recipe=mapping)
@@ -240,8 +248,10 @@ def test_advised_recipes_names_missing_level():
     layer = diagnostics.LayerAdvice(name="blocks/0/up", legs={}, level="tensor", reason="")
     with pytest.raises(ValueError, match=r"no recipe for level\(s\) \['tensor'\].*blocks/0/up"):
         diagnostics.advised_recipes({"blocks/0/up": layer})
-    twice = {"up": layer, "up#1": diagnostics.LayerAdvice(name="up#1", legs={}, level="mx32",
-                                                          reason="")}
+    twice = {
+        "up": layer,
+        "up#1": diagnostics.LayerAdvice(name="up#1", legs={}, level="mx32", reason=""),
+    }
     assert diagnostics.advised_recipes(twice) == {"up": jaxmx.recipes.MXFP8}  # the finest
 
 

@@ -26,8 +26,10 @@ from jaxmx.demo.losses import loss_fn
 def advise_model(model, cfg, budget: float) -> diagnostics.Advice:
     """The advice for ``model`` on the first batch of the data order of seed ``cfg.seed + 1``."""
     train_data, _ = data.load_splits()
-    x, y = (jnp.asarray(a) for a in next(data.batches(train_data, cfg.batch, cfg.seq_len,
-                                                      seed=cfg.seed + 1)))
+    x, y = (
+        jnp.asarray(a)
+        for a in next(data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed + 1))
+    )
     return diagnostics.advise(loss_fn, model, x, y, underflow_budget=budget)
 
 
@@ -65,8 +67,14 @@ def plot(advice: diagnostics.Advice, path: str | Path) -> Path:
         ]
     )
     fig, ax = plt.subplots(figsize=(6, 0.35 * len(names) + 2), dpi=100)
-    image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
-                      vmin=0, vmax=len(diagnostics.LEVELS) - 1)
+    image = ax.imshow(
+        values,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        vmin=0,
+        vmax=len(diagnostics.LEVELS) - 1,
+    )
     ax.set_xticks(range(len(legs)))
     ax.set_xticklabels(legs)
     ax.set_yticks(range(len(names)))

@@ -40,9 +40,9 @@ from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.recipes import DEEPSEEK_FP8, MXFP8, NVFP4, Recipe
+from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements, encode
 from jaxmx._src.quantize.quantize import dequantize, quantize
-from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.training.scope import Leg, Tap, observing
 
 LEVELS = ("tensor", "row", "128x128", "1x128", "mx32", "nvfp4_16")
@@ -442,6 +442,7 @@ def _columns(rows) -> str:
 
 # --- in training: every GEMM leg of one step ------------------------------------------------
 
+
 def _leg_levels(levels: tuple[str, ...], leg: str) -> tuple[str, ...]:
     """The levels measured on a leg: ``"128x128"`` tiles for the weight (``rhs``) only."""
     return levels if leg == "rhs" else tuple(lv for lv in levels if lv != "128x128")
@@ -484,7 +485,8 @@ class _Advisor:
                 "advise on a step without it"
             )
         name = next(
-            c for c in [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 2)]
+            c
+            for c in [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 2)]
             if c not in self.forward
         )
         self.forward[name] = {

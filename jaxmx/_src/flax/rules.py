@@ -285,7 +285,7 @@ class Conversion:
     """
 
     # the recipe of the converted layers, or (pattern, recipe) pairs (given as a mapping)
-    recipe: Recipe | None | tuple[tuple[str, Recipe | None], ...]
+    recipe: Recipe | tuple[tuple[str, Recipe | None], ...] | None
     include: Rule = None  # None: every layer; else the candidates
     exclude: Rule = ()  # never converted, besides the defaults (None: as ())
     exclude_defaults: bool = True  # apply DEFAULT_EXCLUDE and the output-head rule

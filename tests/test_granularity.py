@@ -35,7 +35,7 @@ def _groups(x, level):
         return x
     if level == "128x128":
         return x.reshape(m // 128, 128, n // 128, 128).transpose(0, 2, 1, 3).reshape(-1, 128 * 128)
-    block = {"1x128": 128, "mx32": 32}[level]
+    block = {"1x128": 128, "mx32": 32, "nvfp4_16": 16}[level]
     return x.reshape(-1, block)
 
 
@@ -55,6 +55,14 @@ def reference(x, level, element):
         scale = np.float32(elem_max) / np.maximum(amax, np.float32(1e-12))
         codes = _cast(g * scale, dtype, elem_max)
         xhat = codes / scale
+    elif level == "nvfp4_16":  # torchao's NVFP4: tensor scale t, E4M3 block scales s
+        f32 = np.float32
+        t = np.maximum(np.abs(x).max() / f32(448 * 6), f32(2.0**-126))
+        s = np.clip((amax / f32(6)) / t, f32(2.0**-6), f32(448))
+        s = s.astype(ml_dtypes.float8_e4m3fn).astype(f32)
+        r = np.minimum((f32(1) / t) / s, np.finfo(f32).max)
+        codes = _cast(g * r, dtype, elem_max)
+        xhat = (codes * s) * t
     elif level == "mx32":  # E8M0 rceil: 2^ceil(log2(amax / elem_max))
         mant, ex = np.frexp(amax * np.float32(1 / elem_max))
         e = np.where(mant == 0.5, ex - 1, ex).astype(np.float32)
@@ -141,7 +149,9 @@ def test_statistics_match_numpy_reference(case):
 @pytest.mark.parametrize("element", ["fp8_e5m2", "fp4_e2m1"])
 def test_other_elements_match_numpy_reference(element):
     x = outlier_in_rows()[:, :256] * np.float32(1e-3)
-    g = diagnostics.granularity(jnp.asarray(x), fmt=element, levels=("tensor", "row", "mx32"))
+    levels = ("tensor", "row", "mx32", *(("nvfp4_16",) if element == "fp4_e2m1" else ()))
+    g = diagnostics.granularity(jnp.asarray(x), fmt=element, levels=levels)
+    assert g.names == levels
     for level, stats in g.levels.items():
         ref = reference_stats(x, level, element)
         for field in ("underflow", "flushed"):

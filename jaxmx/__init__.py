@@ -16,6 +16,7 @@ from jaxmx._src.core.block_sharding import BlockShardingError
 from jaxmx._src.core.copies import Copies, SwizzledCopies
 from jaxmx._src.core.formats import (
     BLOCK_SCALE_MODES,
+    CURRENT_SCALE_MODES,
     FORMATS,
     NVFP4_SCALE_MODES,
     SCALE_MODES,
@@ -29,6 +30,7 @@ from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.serving.kv_cache import KVCache, cached_attention
 from jaxmx._src.training.attention import dot_product_attention
 from jaxmx._src.training.dot_general import (
     LHS_COLWISE,
@@ -45,6 +47,7 @@ from jaxmx._version import __version__
 __all__ = [
     "BACKENDS",
     "BLOCK_SCALE_MODES",
+    "CURRENT_SCALE_MODES",
     "FORMATS",
     "LHS_COLWISE",
     "LHS_INPUT",
@@ -55,11 +58,13 @@ __all__ = [
     "BlockShardingError",
     "Copies",
     "Format",
+    "KVCache",
     "MXArray",
     "Recipe",
     "SwizzledCopies",
     "__version__",
     "backends",
+    "cached_attention",
     "dequantize",
     "diagnostics",
     "dot_general",

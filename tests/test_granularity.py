@@ -238,13 +238,8 @@ def test_advise_table_and_its_mapping_through_quantize_model():
     assert all(name in table for name in advice) and "wgrad" in table
     assert np.isfinite(advice.loss)
 
-    everything = {
-        **diagnostics.LEVEL_RECIPES,
-        "tensor": jaxmx.recipes.MXFP8_HYBRID,
-        "row": jaxmx.recipes.MXFP8_2D,
-    }
-    mapping = diagnostics.advised_recipes(advice, everything)
-    assert mapping == {name: everything[advice[name].level] for name in advice}
+    mapping = diagnostics.advised_recipes(advice)
+    assert mapping == {name: diagnostics.LEVEL_RECIPES[advice[name].level] for name in advice}
     advised = mxl.quantize_model(MLP(), recipe=mapping)
     report = mxl.conversion_report(advised, x)
     for name in advice:
@@ -257,7 +252,7 @@ def test_advise_table_and_its_mapping_through_quantize_model():
 def test_advised_recipes_names_missing_level():
     layer = diagnostics.LayerAdvice(name="blocks/0/up", legs={}, level="tensor", reason="")
     with pytest.raises(ValueError, match=r"no recipe for level\(s\) \['tensor'\].*blocks/0/up"):
-        diagnostics.advised_recipes({"blocks/0/up": layer})
+        diagnostics.advised_recipes({"blocks/0/up": layer}, {"mx32": jaxmx.recipes.MXFP8})
     twice = {
         "up": layer,
         "up#1": diagnostics.LayerAdvice(name="up#1", legs={}, level="mx32", reason=""),

@@ -184,10 +184,9 @@ def _advise(cfg: Config, budget: float, out: str, progress: bool) -> int:
     """``--advise``: MXFP8, the advice on its trained model, then the advised recipes."""
     mxfp8 = train(cfg, get_recipe("mxfp8"), name="mxfp8", progress=progress)
     advice = advise.advise_model(mxfp8.model, cfg, budget)
-    recipes, notes = advise.level_recipes()
-    mapping = advice.recipes(recipes)
+    mapping = advice.recipes()
     advised = train(cfg, mapping, name="advised", progress=progress)
-    text = advise.report(advice, mapping, notes, mxfp8, advised)
+    text = advise.report(advice, mapping, mxfp8, advised)
     path = advise.write(text, advice, out)
     print(f"{text}\nwrote {path}")
     return 0

@@ -5,9 +5,6 @@ After a short MXFP8 training, :func:`jaxmx.diagnostics.advise` measures every le
 (a fresh batch); the advice becomes a ``{layer path: Recipe}`` mapping for ``quantize_model``,
 and a model trained with it from the same seed on the same batches is compared with the MXFP8
 run.
-
-Levels without a recipe in :data:`jaxmx.diagnostics.LEVEL_RECIPES` (per-tensor and per-row FP8,
-not in this jaxmx) take the coarsest level that has one, and the report says so.
 """
 
 from __future__ import annotations
@@ -31,19 +28,6 @@ def advise_model(model, cfg, budget: float) -> diagnostics.Advice:
         for a in next(data.batches(train_data, cfg.batch, cfg.seq_len, seed=cfg.seed + 1))
     )
     return diagnostics.advise(loss_fn, model, x, y, underflow_budget=budget)
-
-
-def level_recipes() -> tuple[dict, list[str]]:
-    """``(level -> Recipe, notes)``: :data:`jaxmx.diagnostics.LEVEL_RECIPES`, each level it
-    lacks mapped to the coarsest level it has (each substitution noted)."""
-    recipes = dict(diagnostics.LEVEL_RECIPES)
-    coarsest = next(level for level in diagnostics.LEVELS if level in recipes)
-    notes = []
-    for level in diagnostics.LEVELS:
-        if level not in recipes:
-            recipes[level] = recipes[coarsest]
-            notes.append(f"level {level!r} has no recipe in this jaxmx: using {coarsest!r}'s")
-    return recipes, notes
 
 
 def plot(advice: diagnostics.Advice, path: str | Path) -> Path:
@@ -89,9 +73,9 @@ def plot(advice: diagnostics.Advice, path: str | Path) -> Path:
     return path
 
 
-def report(advice, mapping: dict, notes: list[str], mxfp8_run, advised_run) -> str:
+def report(advice, mapping: dict, mxfp8_run, advised_run) -> str:
     """The advice table, the mapping and the two runs' final losses."""
-    lines = [str(advice), *notes, "advised recipes:"]
+    lines = [str(advice), "advised recipes:"]
     lines += [f"  {path}: {_name(recipe)}" for path, recipe in mapping.items()]
     lines.append("final loss (train: mean of the last 10% of steps; validation after the last):")
     for run in (mxfp8_run, advised_run):

@@ -8,6 +8,9 @@
 - :mod:`jaxmx.flax.nnx`: ``Linear``, ``Einsum`` and ``quantize_model`` (converts an existing
   model's ``Linear`` / ``LinearGeneral`` / ``Einsum`` layers in place and returns its report).
 
+Both have ``quantize_weights``: a trained model's GEMM weights stored as MXArrays, for inference
+(docs/serving.md).
+
 Both Flax APIs take :class:`MXAttention` as the ``attention_fn`` of their attention layers, for
 MX attention products, and a module of experts holds an :class:`MXRaggedDot` for its grouped
 GEMMs.

@@ -4,7 +4,9 @@
 ``recipe`` (default :data:`jaxmx.recipes.MXFP8`; ``None`` = plain high precision), with the same
 parameters, so checkpoints interchange with the stock layers. :func:`dot_general` gives the
 ``dot_general=`` argument of a stock layer; :func:`quantize_model` converts a whole model's
-``Dense`` / ``DenseGeneral`` / ``Einsum`` layers without editing its source.
+``Dense`` / ``DenseGeneral`` / ``Einsum`` layers without editing its source; within
+:func:`kv_cache`, ``MultiHeadDotProductAttention(decode=True)`` decodes over a ``jaxmx.KVCache``;
+:func:`quantize_weights` stores a trained model's GEMM weights as MXArrays for inference.
 
 Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxmx.flax.linen as mxl
@@ -16,6 +18,8 @@ Example:
 
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
 from jaxmx._src.flax.linen_conversion import conversion_report, quantize_model
+from jaxmx._src.flax.linen_kv_cache import kv_cache
+from jaxmx._src.flax.linen_weights import quantize_weights, weights_report
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
 __all__ = [
@@ -27,5 +31,8 @@ __all__ = [
     "LayerPlan",
     "conversion_report",
     "dot_general",
+    "kv_cache",
     "quantize_model",
+    "quantize_weights",
+    "weights_report",
 ]

@@ -1,7 +1,9 @@
 """``flax.nnx`` layers whose matmuls run through :func:`jaxmx.dot_general`, and model conversion.
 
 ``Linear`` and ``Einsum`` take the arguments of ``nnx.Linear`` / ``nnx.Einsum`` plus ``recipe``;
-:func:`quantize_model` converts an existing model's layers in place.
+:func:`quantize_model` converts an existing model's layers in place; :func:`init_kv_cache` gives
+its ``nnx.MultiHeadAttention`` layers a ``jaxmx.KVCache`` to decode with; :func:`quantize_weights`
+stores a trained model's GEMM weights as MXArrays for inference (in place).
 
 Example:
     >>> import jax.numpy as jnp
@@ -14,6 +16,19 @@ Example:
 
 from jaxmx._src.flax.nnx import Einsum, Linear
 from jaxmx._src.flax.nnx_conversion import quantize_model
+from jaxmx._src.flax.nnx_kv_cache import KVCacheAttention, init_kv_cache
+from jaxmx._src.flax.nnx_weights import QuantizedLinear, quantize_weights
 from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
-__all__ = ["DEFAULT_EXCLUDE", "ConversionReport", "Einsum", "LayerPlan", "Linear", "quantize_model"]
+__all__ = [
+    "DEFAULT_EXCLUDE",
+    "ConversionReport",
+    "Einsum",
+    "KVCacheAttention",
+    "LayerPlan",
+    "Linear",
+    "QuantizedLinear",
+    "init_kv_cache",
+    "quantize_model",
+    "quantize_weights",
+]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.formats import Format
 from jaxmx._src.core.sizes import ceil_div, round_up
 
 
@@ -83,3 +84,31 @@ def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.A
     r, c = shape[-2:]
     t = t.reshape(math.prod(shape[:-2]), r // rows, c // cols, rows, cols).transpose(0, 1, 3, 2, 4)
     return t.reshape(shape)
+
+
+def block_of(f: Format, shape: tuple[int, ...], axis: int) -> int:
+    """Elements per scale of ``f`` along ``axis`` of ``shape``: ``f.block``, or the whole axis
+    (at least 1) for a format whose scale spans a row or the tensor (:attr:`Format.span`): the
+    block of :func:`blocked`'s view.
+
+    Example:
+        >>> from jaxmx._src.core.formats import get_format
+        >>> block_of(get_format("mxfp8_e4m3"), (4, 40), 1), block_of(get_format("fp8_e4m3_row"), (4, 40), 1)
+        (32, 40)
+    """  # noqa: E501
+    return f.block if f.span == "block" else max(shape[axis], 1)
+
+
+def format_scale_shape(f: Format, shape: tuple[int, ...], axis: int, tile=None) -> tuple[int, ...]:
+    """The shape of ``f``'s scales for a tensor of logical ``shape`` quantized along ``axis``
+    (or tiled): :func:`scale_shape` of its blocks, ``shape`` with ``axis`` set to 1 for one
+    scale per row, all ones for one scale per tensor.
+
+    Example:
+        >>> from jaxmx._src.core.formats import get_format
+        >>> [format_scale_shape(get_format(n), (4, 40), 0) for n in ("fp8_e4m3_row", "fp8_e4m3_tensor")]
+        [(1, 40), (1, 1)]
+    """  # noqa: E501
+    if f.span == "tensor":
+        return (1,) * len(shape)
+    return scale_shape(shape, axis, block_of(f, shape, axis), tile)

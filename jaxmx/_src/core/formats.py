@@ -2,7 +2,8 @@
 
 The OCP MX formats (32-element blocks, E8M0 power-of-two scales), the block-FP8 formats of
 DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales) and NVFP4 (E2M1 in
-16-element blocks, E4M3 block scales and one float32 scale per tensor).
+16-element blocks, E4M3 block scales and one float32 scale per tensor), and FP8 with one float32
+scale per tensor or per row (torchao's tensorwise and axiswise current scaling).
 
 Example:
     >>> from jaxmx._src.core.formats import get_format
@@ -61,11 +62,15 @@ class Format:
         mbits: explicit mantissa bits of the element format.
         emin: exponent of the smallest normal element (subnormals share its quantum).
         block: elements per scale along the block axis (32 for every OCP MX format, 128 for
-            block FP8, 16 for NVFP4).
+            block FP8, 16 for NVFP4); 1 where ``span`` is not ``"block"`` (no padding, no
+            block alignment to keep).
         scale_kind: how the scales are stored (:class:`ScaleKind`): E8M0 powers of two (the
             MX formats), float32 (block FP8), or E4M3 under a float32 tensor scale (NVFP4).
         gemm: the native GEMM family that takes the format (``"mx"``, ``"block_fp8"``,
             ``"fp4"``), or ``None``.
+        span: what one scale covers: ``"block"`` (``block`` elements along the block axis),
+            ``"row"`` (the whole block axis: one scale per index of the other axes) or
+            ``"tensor"`` (the whole tensor: one scale).
         pow2_twin: for a format whose power-of-two scaled arrays are also arrays of another
             format with the same codes (block FP8 with ``"pow2"`` scales as MXFP8 in 32-blocks),
             that format's name; else ``None``.
@@ -80,7 +85,12 @@ class Format:
     block: int
     scale_kind: ScaleKind
     gemm: str | None = None
+    span: str = "block"
     pow2_twin: str | None = None
+
+    def __post_init__(self):
+        if self.span not in SPANS:
+            raise ValueError(f"Format.span must be one of {SPANS}, got {self.span!r}")
 
     @property
     def scale_dtype(self) -> np.dtype:
@@ -124,6 +134,9 @@ class Format:
         return jnp.finfo(self.dtype).bits
 
 
+SPANS = ("block", "row", "tensor")
+"""What one scale of a format covers (:attr:`Format.span`)."""
+
 SCALE_MODES = ("rceil", "floor", "ceil", "even")
 """How a block's E8M0 exponent is derived from its absolute maximum.
 
@@ -146,6 +159,19 @@ Both: an all-zero block has ``s = 1``, a block holding NaN or inf has ``s = NaN`
 """
 
 
+CURRENT_SCALE_MODES = ("fp32", "pow2")
+"""How the float32 scale of a per-tensor or per-row FP8 format (torchao's current scaling) is
+derived from the absolute maximum ``amax`` of its tensor or row. The scale multiplies: the codes
+are ``x * scale``, the values ``code / scale``.
+
+- ``fp32``: ``scale = float32(elem_max / max(amax, 1e-12))``, the quotient rounded once to
+  float32 (as torchao's ``amax_to_scale`` computes it in float64). The default.
+- ``pow2``: that scale rounded down to a power of two, ``2^floor(log2(scale))`` (from its bits).
+
+Both: an all-zero tensor or row has ``scale = elem_max / 1e-12`` (and zero codes), one holding
+NaN or inf has ``scale = NaN`` (and decodes to NaN).
+"""
+
 NVFP4_SCALE_MODES = ("e4m3",)
 """NVFP4's one scale rule (:mod:`jaxmx._src.quantize.nvfp4`): the per-tensor scale
 ``g = amax / (448 * 6)`` and the block scale ``E4M3((block_amax / 6) / g)``."""
@@ -157,7 +183,13 @@ FLOAT32_SCALES = ScaleKind(
 E4M3_SCALES_TENSOR_SCALED = ScaleKind(
     name="e4m3", dtype=E4M3, modes=NVFP4_SCALE_MODES, tensor_scale=True
 )
-SCALE_KINDS = (E8M0_SCALES, FLOAT32_SCALES, E4M3_SCALES_TENSOR_SCALED)
+FLOAT32_CURRENT_SCALES = ScaleKind(
+    name="float32_current",
+    dtype=jnp.dtype(jnp.float32),
+    modes=CURRENT_SCALE_MODES,
+    exact_products=False,
+)
+SCALE_KINDS = (E8M0_SCALES, FLOAT32_SCALES, E4M3_SCALES_TENSOR_SCALED, FLOAT32_CURRENT_SCALES)
 """Every scale kind, one object each."""
 
 _E4M3_ELEMENTS = dict(dtype=jnp.dtype(jnp.float8_e4m3fn), elem_max=448.0, emax=8, mbits=3, emin=-6)
@@ -194,6 +226,17 @@ FORMATS: dict[str, Format] = {
             block=16,
             scale_kind=E4M3_SCALES_TENSOR_SCALED,
             gemm="fp4",
+        ),
+        *(
+            Format(
+                name=f"fp8_{elements}_{span}",
+                **facts,
+                block=1,
+                scale_kind=FLOAT32_CURRENT_SCALES,
+                span=span,
+            )
+            for span in ("tensor", "row")
+            for elements, facts in (("e4m3", _E4M3_ELEMENTS), ("e5m2", _E5M2_ELEMENTS))
         ),
     )
 }

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import dtypes
-from jaxmx._src.core.blocks import padded_shape, scale_shape
+from jaxmx._src.core.blocks import format_scale_shape, padded_shape
 from jaxmx._src.core.formats import Format, get_format
 
 
@@ -67,7 +67,8 @@ class MXArray:
             and consumers ignore them.
         scale: the block scales (the format's ``scale_dtype``: ``float8_e8m0fnu`` or
             ``float32``); ``data``'s shape with ``axis`` divided by the block (with ``tile``, the
-            last two axes divided by the tile's sides).
+            last two axes divided by the tile's sides). Per-row formats: ``axis`` of size 1;
+            per-tensor formats: all ones.
         fmt: the format name (static).
         axis: the (non-negative) block axis (static); with ``tile``, the last axis.
         shape: the logical, unpadded shape (static).
@@ -132,6 +133,14 @@ class MXArray:
     def __repr__(self) -> str:
         tile = f", tile={self.tile}" if self.tile else ""
         return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}{tile})"
+
+
+def along(q: MXArray, axis: int) -> MXArray:
+    """A per-tensor ``q`` as the quantization of the same tensor along ``axis`` (non-negative):
+    the same codes and scale, since one scale per tensor does not depend on the axis."""
+    if q.format.span != "tensor":
+        raise ValueError(f"along: only a per-tensor MXArray serves every axis, not an {q.fmt} one")
+    return MXArray(q.data, q.scale, q.fmt, axis, q.shape, None, q.global_scale)
 
 
 def swap_last_axes(q: MXArray) -> MXArray:
@@ -252,8 +261,10 @@ def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | No
     tile = check_tile(getattr(q, "tile", None), len(shape), where)
     if tile is not None and axis != len(shape) - 1:
         raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {axis}")
+    if tile is not None and f.span != "block":
+        raise ValueError(f"{where}: an {f.name} MXArray (one scale per {f.span}) has no tile")
     want_data = padded_shape(shape, axis, f.block, tile)
-    want_scale = scale_shape(shape, axis, f.block, tile)
+    want_scale = format_scale_shape(f, shape, axis, tile)
     # Under vmap the leaves gain leading dims, or, traced, lose the logical shape's leading dims
     # (an MXArray built outside and vmapped over): compare the trailing dims, block axis included.
     ndim = len(data_shape)

@@ -60,6 +60,7 @@ class Accumulation(NamedTuple):
 
 
 RESIDUALS = ("quantized", "high_precision")
+WGRADS = ("quantized", "high_precision")
 GRAD_ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -73,7 +74,8 @@ class Recipe:
         grad: format of the output gradient in the dgrad and wgrad GEMMs.
         scale_mode: the scale rule of both formats: :data:`jaxmx.SCALE_MODES` for MX formats
             (``"rceil"`` by default), :data:`jaxmx.BLOCK_SCALE_MODES` (``"fp32"``, ``"pow2"``)
-            for block FP8.
+            for block FP8, :data:`jaxmx.CURRENT_SCALE_MODES` (``"fp32"``, ``"pow2"``) for the
+            per-tensor and per-row FP8 formats.
         backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
             (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native
             custom call: cuBLASLt on a CUDA GPU that runs the format's GEMM, MXFP8 and FP4 on
@@ -101,6 +103,11 @@ class Recipe:
             over their 16-blocks.
         rht_seed: the seed of the transform's random signs (one fixed sign vector for every
             layer and step, derived from ``jax.random.key(rht_seed)``).
+        wgrad: ``"quantized"`` (default: the weight-gradient GEMM on quantized operands, as the
+            other two) or ``"high_precision"``: the weight gradient is the float32-accumulated
+            product of the unquantized output gradient and lhs (torchao's
+            ``rowwise_with_gw_hp``); the lhs is then saved in high precision for the backward
+            pass whatever ``residuals`` says (the rhs as ``residuals`` says).
 
     Every field is keyword-only: ``Recipe(grad="mxfp8_e5m2")``, not ``Recipe("mxfp8_e4m3", ...)``.
     """
@@ -116,11 +123,23 @@ class Recipe:
     weight_tile: tuple[int, int] | None = None
     rht: bool = False
     rht_seed: int = 0
+    wgrad: str = "quantized"
 
     def __post_init__(self):
         fwd, grad = get_format(self.fwd), get_format(self.grad)
         check_scale_mode(self.scale_mode, fwd)
         check_scale_mode(self.scale_mode, grad)
+        _check_choice("wgrad", self.wgrad, WGRADS)
+        if self.weight_tile is not None and fwd.span != "block":
+            raise ValueError(
+                f"Recipe.weight_tile: {fwd.name} has one scale per {fwd.span}, no 2-D tiles; "
+                "use weight_tile=None"
+            )
+        if self.rht and self.wgrad == "high_precision":
+            raise ValueError(
+                "Recipe.rht transforms the weight-gradient GEMM's quantized operands; with "
+                "wgrad='high_precision' nothing is quantized there and it would do nothing"
+            )
         if self.weight_tile is not None:
             if _as_tuple(self.weight_tile) != (fwd.block, fwd.block):
                 raise ValueError(
@@ -232,6 +251,12 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
     """
     fs = [get_format(f) for f in formats]
     names = " x ".join(f.name for f in fs)
+    spans = [f for f in fs if f.span != "block"]
+    if spans:
+        return (
+            f"{names}: {spans[0].name} has one scale per {spans[0].span}; lax.scaled_dot takes "
+            "block scales only (use backend='emulate' or 'auto')"
+        )
     if len({f.scale_kind.name for f in fs}) != 1 or len({f.block for f in fs}) != 1:
         return (
             f"{names} mixes scale kinds or block sizes; it takes pairs of one scale kind and "
@@ -302,3 +327,16 @@ MXFP4 = Recipe(
 """The same recipe in MXFP4: E2M1 in 32-blocks with E8M0 scales (rceil), 32x32 weight tiles,
 the random Hadamard transform on the weight-gradient GEMM and stochastic rounding of
 gradients."""
+
+FP8_TENSORWISE = Recipe(fwd="fp8_e4m3_tensor", grad="fp8_e5m2_tensor", scale_mode="fp32")
+"""torchao's float8 tensorwise recipe: one float32 scale per tensor (``448 / amax`` for E4M3
+activations and weights, ``57344 / amax`` for E5M2 gradients), current scaling. One quantization
+of each operand serves all three GEMMs."""
+
+FP8_ROWWISE = Recipe(fwd="fp8_e4m3_row", grad="fp8_e4m3_row", scale_mode="pow2")
+"""torchao's float8 rowwise recipe: E4M3 everywhere, one power-of-two float32 scale per row
+along each GEMM's reduction axis."""
+
+FP8_ROWWISE_GW_HP = FP8_ROWWISE.replace(wgrad="high_precision")
+"""torchao's ``rowwise_with_gw_hp``: :data:`FP8_ROWWISE` with the weight-gradient GEMM in high
+precision on the unquantized output gradient and lhs."""

@@ -39,7 +39,14 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
-from jaxmx._src.core.recipes import DEEPSEEK_FP8, MXFP8, NVFP4, Recipe
+from jaxmx._src.core.recipes import (
+    DEEPSEEK_FP8,
+    FP8_ROWWISE,
+    FP8_TENSORWISE,
+    MXFP8,
+    NVFP4,
+    Recipe,
+)
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements, encode
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -77,13 +84,17 @@ _GROUP = {"1x128": 128, "mx32": 32, "nvfp4_16": 16}  # elements per block along 
 _TILE = 128
 
 LEVEL_RECIPES: dict[str, Recipe] = {
+    "tensor": FP8_TENSORWISE,
+    "row": FP8_ROWWISE,
     "128x128": DEEPSEEK_FP8,  # activations and gradients 1x128, weights 128x128 tiles
     "1x128": DEEPSEEK_FP8.replace(weight_tile=None),  # every operand in 1x128 blocks
     "mx32": MXFP8,
     "nvfp4_16": NVFP4,
 }
-"""The recipe of each level, the default of :func:`advised_recipes`. ``"tensor"`` and ``"row"``
-have no recipe here: pass a dict that adds them (a level missing from the dict raises)."""
+"""The recipe of each level, the default of :func:`advised_recipes` (a level missing from a
+dict passed instead raises). ``FP8_TENSORWISE`` takes E5M2 gradients and ``FP8_ROWWISE``
+power-of-two row scales, where the ``"tensor"`` / ``"row"`` levels measure ``fmt`` with float32
+scales."""
 
 
 class LevelStats(NamedTuple):

@@ -208,7 +208,7 @@ def _base_class(cls: type) -> type:
 @functools.cache
 def _converted_class(base: type) -> type:
     """``base`` with the ``jaxmx_conversion`` field, each of its methods run under conversion."""
-    namespace = {name: _converting(getattr(base, name)) for name in _method_names(base)}
+    namespace = {name: _converting(getattr(base, name)) for name in method_names(base)}
     namespace.update(
         __annotations__={_FIELD: "Conversion | None"},
         __module__=base.__module__,
@@ -219,7 +219,7 @@ def _converted_class(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-def _method_names(base: type) -> list[str]:
+def method_names(base: type) -> list[str]:
     """The methods of ``base`` a user calls: those its classes below ``nn.Module`` define (and
     ``__call__``), without properties, static and class methods, ``setup`` or private names."""
     names = set()

@@ -66,6 +66,7 @@ EXPERTS = "experts"  # a layer holding an MXRaggedDot (grouped expert GEMMs)
 ATTENTION = "attention"  # an attention layer whose products attention=True converts
 EMBEDDING = "embedding"  # an embedding table (lookup / tied output projection): never converted
 OWN = "own"  # a jaxmx layer, which keeps the recipe it was built with
+REFUSED = "refused"  # a layer this converter cannot convert (Layer.note says why)
 
 _PRESETS = {
     "MXFP8": MXFP8,
@@ -113,14 +114,14 @@ def _is_literal(pattern: str) -> bool:
     return not any(c in pattern for c in "*?[")
 
 
-def _normalized(rule: Rule, name: str) -> tuple[str, ...] | Callable | None:
+def _normalized(rule: Rule, name: str, caller: str) -> tuple[str, ...] | Callable | None:
     """``rule`` as ``None``, a tuple of patterns, or a predicate; a TypeError for anything else."""
     if rule is None or callable(rule):
         return rule
     pats = (rule,) if isinstance(rule, str) else tuple(rule) if isinstance(rule, Iterable) else None
     if pats is None or not all(isinstance(p, str) for p in pats):
         raise TypeError(
-            f"quantize_model: {name} must be None, a pattern, a list of patterns or a predicate "
+            f"{caller}: {name} must be None, a pattern, a list of patterns or a predicate "
             f"(path, layer) -> bool, got {rule!r}"
         )
     return pats
@@ -187,6 +188,7 @@ class Layer:
     out_width: int | None = None  # the last dimension of its output (GEMM), if known
     vocab: int | None = None  # EMBEDDING: the number of entries of its table
     recipe: Recipe | None = None  # OWN: the recipe the layer was built with
+    note: str | None = None  # REFUSED: why the layer is not converted
     module: Any = dataclasses.field(default=None, compare=False, repr=False)  # for predicates
 
 
@@ -205,12 +207,17 @@ class LayerPlan:
     recipe: Recipe | None  # the recipe its GEMMs run with; None: plain high precision
     converted: bool  # whether the conversion set its recipe (kept layers included)
     reason: str  # why: "converted", "kept: ...", "excluded: ...", "not matched by include", ...
+    weights: str | None = None  # quantize_weights: how its weight is stored ("mxfp8_e4m3", ...)
+    nbytes: int | None = None  # quantize_weights: the bytes of its stored weight (kernel)
+    bf16_nbytes: int | None = None  # quantize_weights: the bytes of that weight in bfloat16
     layer: Any = dataclasses.field(default=None, compare=False, repr=False)  # nnx: the layer
 
 
 class ConversionReport(Mapping):
     """``{path: LayerPlan}`` for every GEMM-bearing layer a conversion saw, in the order it saw
-    them; ``str(report)`` is a table, ``report.converted`` the converted layers only.
+    them; ``str(report)`` is a table, ``report.converted`` the converted layers only. A report
+    of ``quantize_weights`` also has each layer's stored weight bytes (a column of the table,
+    :attr:`nbytes` in total, against :attr:`bf16_nbytes`).
 
     Example:
         >>> report = ConversionReport([
@@ -242,11 +249,28 @@ class ConversionReport(Mapping):
         """The layers whose recipe the conversion set (kept layers included)."""
         return {path: p for path, p in self._plans.items() if p.converted}
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the weights (kernels) the report sizes, as stored: ``quantize_weights``
+        sizes every layer it lists with a kernel, converted or not (0 for other reports)."""
+        return sum(p.nbytes for p in self._plans.values() if p.nbytes is not None)
+
+    @property
+    def bf16_nbytes(self) -> int:
+        """The bytes of the same weights in bfloat16 (2 bytes per element)."""
+        return sum(p.bf16_nbytes for p in self._plans.values() if p.nbytes is not None)
+
     def __str__(self) -> str:
-        rows = [(p.path, p.kind, recipe_name(p.recipe), p.reason) for p in self._plans.values()]
-        widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+        plans = list(self._plans.values())
+        rows = [[p.path, p.kind, p.weights or recipe_name(p.recipe), p.reason] for p in plans]
+        if any(p.nbytes is not None for p in plans):
+            for row, p in zip(rows, plans, strict=True):
+                row.insert(3, "" if p.nbytes is None else _sized(p.nbytes, p.bf16_nbytes))
+            rows.append(["total", "", "", _sized(self.nbytes, self.bf16_nbytes), ""])
+        n = len(rows[0]) - 1 if rows else 0
+        widths = [max((len(r[i]) for r in rows), default=0) for i in range(n)]
         return "\n".join(
-            "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]])
+            "  ".join([*(c.ljust(w) for c, w in zip(r[:n], widths, strict=True)), r[n]]).rstrip()
             for r in rows
         )
 
@@ -293,22 +317,23 @@ class Conversion:
     keep: Rule = None  # converted layers that get keep_recipe
     keep_last: int = 0  # final numbered blocks of each stack that get keep_recipe
     keep_recipe: Recipe | None = None  # the recipe of the kept layers
+    caller: str = "quantize_model"  # the function its errors and warnings name
 
     def __post_init__(self):
-        object.__setattr__(self, "recipe", _recipes(self.recipe))
-        check_recipe(self.keep_recipe, "quantize_model", name="keep_recipe", optional=True)
+        object.__setattr__(self, "recipe", _recipes(self.recipe, self.caller))
+        check_recipe(self.keep_recipe, self.caller, name="keep_recipe", optional=True)
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(
-                "quantize_model: keep_last must be an integer >= 0 (the number of final blocks "
+                f"{self.caller}: keep_last must be an integer >= 0 (the number of final blocks "
                 f"to keep), got {self.keep_last!r}"
             )
         for name in ("exclude_defaults", "attention"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
-                    f"quantize_model: {name} must be a bool, got {getattr(self, name)!r}"
+                    f"{self.caller}: {name} must be a bool, got {getattr(self, name)!r}"
                 )
         for name in ("include", "exclude", "keep"):
-            object.__setattr__(self, name, _normalized(getattr(self, name), name))
+            object.__setattr__(self, name, _normalized(getattr(self, name), name, self.caller))
         if self.exclude is None:
             object.__setattr__(self, "exclude", ())
 
@@ -348,7 +373,7 @@ class Conversion:
         unmatched = [path for path in converted if matching(path, patterns) is None]
         if unmatched:
             raise ValueError(
-                f"quantize_model: converted layer(s) {unmatched} match no pattern of the recipe "
+                f"{self.caller}: converted layer(s) {unmatched} match no pattern of the recipe "
                 f"mapping {patterns}; add them, a '*' entry for the others, or exclude them"
             )
 
@@ -358,22 +383,21 @@ class Conversion:
         self._check_matches(self.exclude, paths, "exclude", "convertible layer", raises=False)
         if self.attention and not any(layer.role == ATTENTION for layer in layers):
             warnings.warn(
-                "quantize_model: attention=True, but the model has no Flax attention layer "
+                f"{self.caller}: attention=True, but the model has no Flax attention layer "
                 "(linen MultiHeadDotProductAttention / nnx MultiHeadAttention) whose products "
                 "jaxmx can convert; attention computed by other code (e.g. jnp.einsum) stays in "
                 "high precision",
                 stacklevel=4,
             )
 
-    @staticmethod
-    def _check_matches(rule, paths: list[str], name: str, what: str, *, raises: bool) -> None:
+    def _check_matches(self, rule, paths: list[str], name: str, what: str, *, raises: bool):
         if rule is None or callable(rule):
             return
         missing = [p for p in rule if not any(matching(path, (p,)) for path in paths)]
         if not missing:
             return
         message = (
-            f"quantize_model: {name} pattern(s) {missing} match no {what}; the {what}s are "
+            f"{self.caller}: {name} pattern(s) {missing} match no {what}; the {what}s are "
             f"{sorted(paths)}"
         )
         if raises:
@@ -409,7 +433,8 @@ class Conversion:
     def _plan_of(self, layer: Layer, reason: str | None, blocks: frozenset) -> LayerPlan:
         plan = functools.partial(LayerPlan, path=layer.path, kind=layer.kind, layer=layer.module)
         if reason is _NOT_A_CANDIDATE:
-            return plan(recipe=layer.recipe, converted=False, reason=_NOT_CONVERTED[layer.role])
+            reason = layer.note if layer.role == REFUSED else _NOT_CONVERTED[layer.role]
+            return plan(recipe=layer.recipe, converted=False, reason=reason)
         if reason is not None:
             return plan(recipe=None, converted=False, reason=reason)
         kept = self._kept(layer, blocks)
@@ -434,21 +459,19 @@ class Conversion:
         return None
 
 
-def _recipes(recipe):
+def _recipes(recipe, caller: str):
     """``recipe`` checked: a Recipe, ``None``, or a mapping ``{pattern: Recipe or None}`` as a
     tuple of pairs (a TypeError / ValueError otherwise)."""
     if isinstance(recipe, Mapping):
         recipe = tuple(recipe.items())
     if not isinstance(recipe, tuple):
-        return check_recipe(recipe, "quantize_model", optional=True)
+        return check_recipe(recipe, caller, optional=True)
     if not recipe:
-        raise ValueError("quantize_model: the recipe mapping is empty; give {pattern: Recipe}")
+        raise ValueError(f"{caller}: the recipe mapping is empty; give {{pattern: Recipe}}")
     for pattern, value in recipe:
         if not isinstance(pattern, str):
-            raise TypeError(
-                f"quantize_model: recipe mapping keys must be path patterns, got {pattern!r}"
-            )
-        check_recipe(value, "quantize_model", name=f"recipe[{pattern!r}]", optional=True)
+            raise TypeError(f"{caller}: recipe mapping keys must be path patterns, got {pattern!r}")
+        check_recipe(value, caller, name=f"recipe[{pattern!r}]", optional=True)
     return recipe
 
 
@@ -467,6 +490,11 @@ _NOT_CONVERTED = {
     EMBEDDING: "embedding table: high precision (never converted)",
     OWN: "jaxmx layer: keeps its own recipe",
 }
+
+
+def _sized(nbytes: int, bf16_nbytes: int) -> str:
+    ratio = f" ({nbytes / bf16_nbytes:.2f}x bf16)" if bf16_nbytes else ""
+    return f"{nbytes:,} B{ratio}"
 
 
 def _head(layers: Sequence[Layer], in_call_order: bool) -> str | None:

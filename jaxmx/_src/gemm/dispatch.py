@@ -107,6 +107,7 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
         check_accumulation(acc.bits, acc.promote_every, gemm.formats, backend, "jaxmx GEMM")
         return {"default": "limited"}
     if backend == "ffi":
+        _check_native_route(gemm.formats)
         return {"default": "native"}
     if backend == "xla":
         return {"default": _scaled_dot(gemm)}
@@ -133,6 +134,18 @@ def native_family(formats: tuple[str, ...]) -> str | None:
     if all(f.dtype.name == "float8_e5m2" for f in fs):
         return None
     return fs[0].gemm
+
+
+def _check_native_route(formats: tuple[str, ...]) -> None:
+    """A NotImplementedError for formats with one scale per tensor or row and no native family
+    (``Format.gemm``): the native GEMM has no route for them yet."""
+    fs = [get_format(f) for f in formats]
+    unrouted = [f.name for f in fs if f.span != "block" and f.gemm is None]
+    if unrouted and native_family(formats) is None:
+        raise NotImplementedError(
+            f"jaxmx GEMM, backend='ffi': no native GEMM takes {' x '.join(formats)} yet "
+            f"({unrouted[0]}: one scale per tensor or row); use backend='emulate' or 'auto'"
+        )
 
 
 def native_pair(formats: tuple[str, ...]) -> bool:

@@ -22,10 +22,11 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.blocks import (
+    block_of,
     blocked,
     blocked_shape,
+    format_scale_shape,
     padded_shape,
-    scale_shape,
     tiles,
     untile,
 )
@@ -59,12 +60,17 @@ def quantize(
     Args:
         x: a float32, bfloat16 or float16 array of any rank >= 1.
         fmt: ``"mxfp8_e4m3"`` (default), ``"mxfp8_e5m2"``, ``"mxfp4"``, ``"fp8_e4m3_block"``,
-            ``"fp8_e5m2_block"`` or ``"nvfp4"``.
-        axis: the block axis; padded with zeros to a multiple of the block when needed.
+            ``"fp8_e5m2_block"``, ``"nvfp4"``, or the FP8 formats with one float32 scale per
+            tensor (``"fp8_e4m3_tensor"``, ``"fp8_e5m2_tensor"``) or per row along ``axis``
+            (``"fp8_e4m3_row"``, ``"fp8_e5m2_row"``).
+        axis: the block axis; padded with zeros to a multiple of the block when needed. For
+            per-row formats a scale covers the whole axis (one per index of the other axes).
         scale_mode: the scale rule; ``None`` takes the format's default. MX formats:
             ``"rceil"`` (default), ``"floor"``, ``"ceil"`` or ``"even"`` (see
             :data:`jaxmx.SCALE_MODES`); block FP8: ``"fp32"`` (default) or ``"pow2"`` (see
-            :data:`jaxmx.BLOCK_SCALE_MODES`); NVFP4: ``"e4m3"``, its only rule.
+            :data:`jaxmx.BLOCK_SCALE_MODES`); NVFP4: ``"e4m3"``, its only rule; per-tensor and
+            per-row FP8: ``"fp32"`` (default) or ``"pow2"`` (see
+            :data:`jaxmx.CURRENT_SCALE_MODES`).
         key: a PRNG key to round elements stochastically (unbiased); ``None`` rounds to nearest
             even.
         tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
@@ -83,7 +89,10 @@ def quantize(
         for an all-zero block; elements are ``x / s`` rounded to nearest even, saturating.
         NVFP4: E4M3 block scales and ``global_scale`` ``g`` as
         :mod:`jaxmx._src.quantize.nvfp4` defines them (a value is ``code * scale * g``); a block
-        (or tensor) holding NaN or inf dequantizes to NaN.
+        (or tensor) holding NaN or inf dequantizes to NaN. Per-tensor and per-row FP8: float32
+        scales that multiply (codes ``x * scale``, values ``code / scale``), shaped all ones
+        (per tensor) or like ``x`` with ``axis`` of size 1 (per row); NaN for a tensor or row
+        holding NaN or inf, ``elem_max / 1e-12`` for an all-zero one.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -94,10 +103,12 @@ def quantize(
         [480.0, 480.0]
     """
     x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
-    tile = _checked_tile(tile, x.ndim, axis)
+    tile = _checked_tile(tile, x.ndim, axis, f)
     global_scale = nvfp4.checked_global_scale(global_scale, f)
-    if check_impl(impl) == "pallas" and tile is not None:
-        check_pallas_tile(tile)
+    if check_impl(impl) == "pallas":
+        _check_pallas_format(f, "quantize")
+        if tile is not None:
+            check_pallas_tile(tile)
     data, scale, g = _codes_and_scales(
         x, key, global_scale, f=f, axis=axis, scale_mode=scale_mode, tile=tile, impl=impl
     )
@@ -116,14 +127,15 @@ def quantize(
 def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode, tile, impl: str):
     """``(codes, scales, NVFP4's tensor scale or None)`` of checked arguments: one compiled
     program per shape and static setting, so that an eager call compiles once, not per op."""
-    padded = padded_shape(x.shape, axis, f.block, tile)
+    block = block_of(f, x.shape, axis)
+    padded = padded_shape(x.shape, axis, block, tile)
 
     def shaped(data, scale, g=None):
-        return data.reshape(padded), scale.reshape(scale_shape(x.shape, axis, f.block, tile)), g
+        return data.reshape(padded), scale.reshape(format_scale_shape(f, x.shape, axis, tile)), g
 
     def xla(x):
         if tile is None:
-            xb = blocked(x, axis, f.block)  # [outer, n_blocks, block, inner], float32
+            xb = blocked(x, axis, block)  # [outer, n_blocks, block, inner], float32
         else:
             xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
         rule = rule_of(f)
@@ -140,13 +152,27 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
     return dispatch(impl, xla, kernels, x)
 
 
-def _checked_tile(tile, ndim: int, axis: int) -> tuple[int, int] | None:
+def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | None:
     tile = check_tile(tile, ndim, "quantize")
+    if tile is not None and f.span != "block":
+        raise ValueError(
+            f"quantize: {f.name} has one scale per {f.span}; tile= (one scale per 2-D tile) does "
+            "not apply to it"
+        )
     if tile is not None and axis != ndim - 1:
         raise ValueError(
             f"quantize: with tile, axis must be the last axis ({ndim - 1}), got {axis}"
         )
     return tile
+
+
+def _check_pallas_format(f: Format, where: str) -> None:
+    """The Pallas kernels cover formats in blocks and tiles, not per-tensor or per-row scales."""
+    if f.span != "block":
+        raise NotImplementedError(
+            f"{where}: impl='pallas' has no kernel for {f.name} (one scale per {f.span}); use "
+            "impl='xla' or 'auto'"
+        )
 
 
 def dequantize(q: MXArray, dtype=jnp.float32) -> jax.Array:
@@ -181,8 +207,10 @@ def _dequantized(q: MXArray, *, dtype) -> jax.Array:
     q = lax.optimization_barrier(q)
     values = decode_elements(q.data, f)
     if q.tile is None:
-        values = values.reshape(blocked_shape(q.data.shape, q.data_axis, f.block))
-        scale = q.scale.reshape(blocked_shape(q.scale.shape, q.data_axis, 1))
+        block = block_of(f, q.data.shape, q.data_axis)
+        values = values.reshape(blocked_shape(q.data.shape, q.data_axis, block))
+        scale = _scales_per_block(q)
+        scale = scale.reshape(blocked_shape(scale.shape, q.data_axis, 1))
     else:
         values = tiles(values, q.tile)
         scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)
@@ -194,6 +222,16 @@ def _dequantized(q: MXArray, *, dtype) -> jax.Array:
         axis = out.ndim - 2 + i if q.tile else q.data_axis
         out = lax.slice_in_dim(out, 0, n, axis=axis)
     return out.astype(dtype)
+
+
+def _scales_per_block(q: MXArray) -> jax.Array:
+    """``q``'s 1-D block scales shaped like its codes with the block axis divided by the block
+    (a tensor scale broadcast over the other axes, leading batch dims kept)."""
+    if q.format.span != "tensor":
+        return q.scale
+    shape = list(q.data.shape)
+    shape[q.data_axis] = 1
+    return jnp.broadcast_to(q.scale, shape)
 
 
 def quantize_rowwise_colwise(
@@ -223,7 +261,9 @@ def quantize_rowwise_colwise(
         transposed. With ``swizzled_scales``, :class:`jaxmx.SwizzledCopies`
         ``(row, col_t, row_swizzled, col_t_swizzled)``.
         With ``key``, the two copies round with ``split(key)``'s two keys. NVFP4: both copies
-        hold the one tensor scale ``g`` of ``x``.
+        hold the one tensor scale ``g`` of ``x``. Per-tensor FP8 (``fp8_e4m3_tensor``...): one
+        quantization (rounded with the first key), ``col_t`` its codes transposed; per-row FP8:
+        two, one scale per row of ``x`` and one per column.
 
     Example:
         >>> import jax.numpy as jnp, jaxmx
@@ -247,6 +287,8 @@ def quantize_rowwise_colwise(
     if x.ndim != 2:
         raise ValueError(f"quantize_rowwise_colwise expects a 2-D array, got shape {x.shape}")
     key = None if key is None else check_key(key, "quantize_rowwise_colwise")
+    if check_impl(impl) == "pallas":
+        _check_pallas_format(f, "quantize_rowwise_colwise")
     return as_copies(
         _rowwise_colwise(
             x, key, f=f, scale_mode=scale_mode, impl=check_impl(impl), swizzled=swizzled_scales
@@ -263,9 +305,12 @@ def _rowwise_colwise(x, key, *, f: Format, scale_mode: str, impl: str, swizzled:
 
     def xla(x):
         row = quantize(x, f.name, axis=1, scale_mode=scale_mode, key=row_key, impl="xla")
-        col_t = swap_last_axes(
-            quantize(x, f.name, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
-        )
+        if f.span == "tensor":  # one quantization: the tensor scale does not depend on the axis
+            col_t = swap_last_axes(row)
+        else:
+            col_t = swap_last_axes(
+                quantize(x, f.name, axis=0, scale_mode=scale_mode, key=col_key, impl="xla")
+            )
         if swizzled:
             return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
         return row, col_t

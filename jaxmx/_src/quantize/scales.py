@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmx._src.core import bits
@@ -217,7 +218,77 @@ class _TensorScaledE4M3Rule:
         return scaled, jnp.zeros(scaled.shape[:k] + scaled.shape[k + 2 :], jnp.int32)
 
 
-RULES = {"e8m0": _E8M0Rule(), "float32": _Float32Rule(), "e4m3": _TensorScaledE4M3Rule()}
+AMAX_FLOOR = 1e-12
+"""The smallest amax a per-tensor or per-row scale divides by (torchao's ``EPS``)."""
+
+
+def _smallest_float32_at_least(v: float) -> np.float32:
+    t = np.float32(v)
+    return t if float(t) >= v else np.nextafter(t, np.float32(np.inf))
+
+
+def current_scaled(xb, f: Format, scale_mode: str, noise):
+    """Per-tensor or per-row FP8 (torchao's current scaling): (float32 scales, elements
+    ``x * scale`` clipped to ``±elem_max``) of ``xb`` = :func:`blocked`'s view with the whole
+    axis as its block, ``[outer, 1, n, inner]``; the scales are ``[outer, 1, 1, inner]`` (one per
+    row) or ``[1, 1, 1, 1]`` (one per tensor). See :data:`jaxmx.CURRENT_SCALE_MODES`.
+
+    ``scale = float32(elem_max / max(amax, 1e-12))``: for ``amax`` of at least 1e-12 the float32
+    quotient ``elem_max / amax`` (the float64 quotient rounded to float32 is the same number:
+    53 >= 2 * 24 + 2 bits make the double rounding innocuous), below it a constant. Every scale
+    is a normal float32 (at least ``448 / max_float32``), so ``x * scale`` and ``code / scale``
+    need no subnormal care beyond XLA's.
+    """
+    reduced = (2,) if f.span == "row" else (0, 1, 2, 3)
+    amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=reduced, keepdims=True)
+    amax = bits.from_bits(amax_bits)
+    floor = _smallest_float32_at_least(AMAX_FLOOR)
+    floor_bits = int(floor.view(np.uint32))
+    at_floor = np.float32(f.elem_max / AMAX_FLOOR)  # float64 quotient, rounded once
+    large = amax_bits >= floor_bits
+    scale = bits.divide(f.elem_max, jnp.where(large, amax, 1.0))
+    scale = jnp.where(large, scale, at_floor)
+    if scale_mode == "pow2":  # 2^floor(log2(scale)): the scale is normal, drop its mantissa
+        scale = bits.from_bits(bits.to_bits(scale) & ~bits.MANTISSA_MASK)
+    scale = jnp.where((amax_bits >> bits.MANTISSA_BITS) == 0xFF, jnp.nan, scale)
+    scaled = xb * scale
+    if noise is not None:
+        scaled = round_stochastically(scaled, f, noise)
+    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CurrentRule:
+    """Per-tensor and per-row FP8: one float32 scale per tensor or row (:func:`current_scaled`);
+    a value is ``code / scale``."""
+
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
+        scale, values = current_scaled(xb, f, scale_mode, noise)
+        return scale, values, None
+
+    def scales(self, codes: jax.Array) -> jax.Array:
+        return codes
+
+    def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
+        """``values / scale`` rounded as IEEE float32 division (as torchao decodes)."""
+        return bits.divide(values, scale)
+
+    def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
+        return out
+
+    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
+        raise ValueError(
+            "per-tensor and per-row float32 scales have no exact row-relative decode "
+            "(code / scale is rounded); the dequantized emulation takes them"
+        )
+
+
+RULES = {
+    "e8m0": _E8M0Rule(),
+    "float32": _Float32Rule(),
+    "e4m3": _TensorScaledE4M3Rule(),
+    "float32_current": _CurrentRule(),
+}
 """The rules of each :class:`~jaxmx._src.core.formats.ScaleKind`, by its name."""
 
 

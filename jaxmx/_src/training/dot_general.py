@@ -52,7 +52,7 @@ from jaxmx._src.core.block_sharding import (
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits, to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, MXBits, along, as_bits, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
@@ -321,22 +321,47 @@ def _forward(static: _Static, x, w, key, training: bool):
         scope.require_gradient_key(r.grad_rounding, key)
     if training and static.training_problems:
         raise BlockShardingError(static.training_problems[0])
-    along_n = _weight_axes(static)[1]
-    w_fwd = _tiled(w, r.fwd, r) if r.weight_tile else w
-    y = _fprop(static, x, w_fwd)
+    along_k, along_n = _weight_axes(static)
+    col = dict(fmt=r.fwd, scale_mode=r.scale_mode, to_values=False)
+    one_copy = training and r.residuals == "quantized" and _per_tensor(r.fwd)
+    if r.weight_tile:
+        w_fwd = _tiled(w, r.fwd, r)
+    elif one_copy:  # one quantization serves every GEMM (see _per_tensor)
+        w_fwd = _quantize(w, axis=along_k, **col)
+    else:
+        w_fwd = w
+    x_fwd = _quantize(x, axis=-1, **col) if one_copy and not r.rht else x
+    y = _fprop(static, x_fwd, w_fwd)
     if not training:
         return y, None
-    if r.residuals == "quantized":
-        col = dict(fmt=r.fwd, scale_mode=r.scale_mode, to_values=False)
-        w_col = w_fwd if r.weight_tile else _quantize(w, axis=along_n, **col)
-        x_col = _quantize(_wgrad_input(x, r), axis=-2, **col)
-        saved = (
-            _named(x_col, LHS_COLWISE),
-            _named(w_col, RHS_COLWISE),
-        )
+    if r.wgrad == "high_precision":
+        x_saved = checkpoint_name(to_bits(x), LHS_INPUT)
+    elif r.residuals == "quantized":
+        if isinstance(x_fwd, MXArray):
+            x_col = along(x_fwd, x.ndim - 2)
+        else:
+            x_col = _quantize(_wgrad_input(x, r), axis=-2, **col)
+        x_saved = _named(x_col, LHS_COLWISE)
     else:
-        saved = (checkpoint_name(to_bits(x), LHS_INPUT), checkpoint_name(to_bits(w), RHS_INPUT))
-    return y, (saved, key)
+        x_saved = checkpoint_name(to_bits(x), LHS_INPUT)
+    if r.residuals == "quantized":
+        if r.weight_tile:
+            w_col = w_fwd
+        elif one_copy:
+            w_col = along(w_fwd, w.ndim + along_n)
+        else:
+            w_col = _quantize(w, axis=along_n, **col)
+        w_saved = _named(w_col, RHS_COLWISE)
+    else:
+        w_saved = checkpoint_name(to_bits(w), RHS_INPUT)
+    return y, ((x_saved, w_saved), key)
+
+
+def _per_tensor(fmt: str) -> bool:
+    """Whether ``fmt`` has one scale per tensor: its quantization does not depend on the axis,
+    so the forward GEMM's copy of an operand, relabelled (:func:`along`), is also its columnwise
+    copy, and the output gradient's one copy serves both backward GEMMs."""
+    return get_format(fmt).span == "tensor"
 
 
 def _fprop(static: _Static, x, w):
@@ -349,7 +374,8 @@ def _fprop(static: _Static, x, w):
     def gemm(x, w):
         along_k = _weight_axes(static)[0]
         rhs = w if isinstance(w, MXArray) else _Operand(w, r.fwd, along_k)
-        return _gemm(r, _Operand(x, r.fwd, -1), rhs, static.out_dtype)
+        lhs = x if isinstance(x, MXArray) else _Operand(x, r.fwd, -1)
+        return _gemm(r, lhs, rhs, static.out_dtype)
 
     y = opaque(gemm, x, w).reshape(static.out_shape)
     return presented_as_dot(y, static.n_batch)
@@ -361,24 +387,57 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
     g = g.reshape(static.gemm_shape)
     if r.residuals == "quantized":
-        x_col, w_col = mx_from_bits(x_saved), mx_from_bits(w_saved)
+        w_col = mx_from_bits(w_saved)
     else:
-        x, w = from_bits(x_saved, static.lhs_dtype), from_bits(w_saved, static.rhs_dtype)
-        x_col = _Operand(_wgrad_input(x, r), r.fwd, -2)
+        w = from_bits(w_saved, static.rhs_dtype)
         along_n = _weight_axes(static)[1]
         w_col = _tiled(w, r.fwd, r) if r.weight_tile else _Operand(w, r.fwd, along_n)
+    if r.wgrad == "high_precision":
+        x_col = from_bits(x_saved, static.lhs_dtype)
+    elif r.residuals == "quantized":
+        x_col = mx_from_bits(x_saved)
+    else:
+        x_col = _Operand(_wgrad_input(from_bits(x_saved, static.lhs_dtype), r), r.fwd, -2)
     if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
         w_col = swap_last_axes(w_col)
     row_key, col_key = scope.copy_keys(key)
     g_row = _Operand(g, r.grad, -1, row_key)  # [B, M, N] along N
     g_col = _Operand(_wgrad_input(g, r), r.grad, -2, col_key)  # along M
-    dx = _gemm(r, g_row, w_col, static.lhs_dtype)  # [B, M, K], reduces N
-    if static.rhs_k_first:
-        dw = _gemm(r, x_col, g_col, static.rhs_dtype)  # [B, K, N], reduces M
+    g_dgrad, g_wgrad = _gradient_copies(r, g_row, g_col)
+    dx = _gemm(r, g_dgrad, w_col, static.lhs_dtype)  # [B, M, K], reduces N
+    if r.wgrad == "high_precision":
+        dw = _high_precision_wgrad(g, x_col, static)
+    elif static.rhs_k_first:
+        dw = _gemm(r, x_col, g_wgrad, static.rhs_dtype)  # [B, K, N], reduces M
     else:
-        dw = _gemm(r, g_col, x_col, static.rhs_dtype)  # [B, N, K], reduces M
+        dw = _gemm(r, g_wgrad, x_col, static.rhs_dtype)  # [B, N, K], reduces M
     tap_ct = _observed_gradient(static, g_row, g_col)
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None, tap_ct
+
+
+def _gradient_copies(r: Recipe, g_row: _Operand, g_col: _Operand):
+    """The output gradient's operands of the dgrad and wgrad GEMMs: ``g_row`` and ``g_col``,
+    each quantized where used, or for a per-tensor ``r.grad`` (without RHT, which transforms
+    the wgrad copy) one quantization of ``g_row`` serving both (:func:`_per_tensor`)."""
+    if not _per_tensor(r.grad) or r.rht:
+        return g_row, g_col
+    q = _quantize(g_row.x, g_row.key, fmt=r.grad, axis=-1, scale_mode=r.scale_mode, to_values=False)
+    return q, along(q, q.ndim - 2)
+
+
+def _high_precision_wgrad(g, x, static: _Static):
+    """``Recipe.wgrad="high_precision"``: the weight gradient from the unquantized ``g [B, M, N]``
+    and ``x [B, M, K]`` (float32 products and accumulation), ``[B, N, K]`` or, with
+    ``rhs_k_first``, ``[B, K, N]``."""
+    a, b = (x, g) if static.rhs_k_first else (g, x)
+    dw = lax.dot_general(
+        a,
+        b,
+        (((1,), (1,)), ((0,), (0,))),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return dw.astype(static.rhs_dtype)
 
 
 def _observed_gradient(static: _Static, g_row: _Operand, g_col: _Operand):

@@ -138,8 +138,8 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
     within each group's zero-padded whole blocks of tokens, which is exact per group. So every
     preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
     NotImplementedError: ``backend="ffi"``, ``backend="xla"`` (``lax.scaled_dot`` has no grouped
-    form) and ``accum_bits`` (the modelled accumulator needs the blocked emulation of
-    :func:`jaxmx.matmul`).
+    form), ``accum_bits`` (the modelled accumulator needs the blocked emulation of
+    :func:`jaxmx.matmul`), the per-tensor and per-row formats and ``wgrad="high_precision"``.
 
     Example:
         >>> import jaxmx
@@ -155,6 +155,17 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
         raise NotImplementedError(
             "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
             "available for grouped GEMMs; use a recipe without it"
+        )
+    for f in (get_format(recipe.fwd), get_format(recipe.grad)):
+        if f.span != "block":  # its wgrad scale would span every group's tokens
+            raise NotImplementedError(
+                f"jaxmx.ragged_dot: {f.name} (one scale per {f.span}) has no grouped form yet "
+                "(the weight-gradient scales would need one per group); use a block format"
+            )
+    if recipe.wgrad != "quantized":
+        raise NotImplementedError(
+            f"jaxmx.ragged_dot: Recipe.wgrad={recipe.wgrad!r} is not available for grouped "
+            "GEMMs; use wgrad='quantized'"
         )
     return recipe.replace(backend="emulate")
 

@@ -1,0 +1,175 @@
+"""Weights at rest: a trained layer's kernel stored as an :class:`~jaxmx.MXArray` and the forward
+GEMM that consumes it, shared by the linen and nnx ``quantize_weights``.
+
+A kernel ``[*in, *out]`` (``in``: the dims the layer contracts, K; ``out``: its features, N) is
+stored as the 2-D ``[N, K]`` MXArray ``quantize(kernel.reshape(K, N).T, fmt, axis=-1,
+tile=tile)``: quantized along K, in the TN form the native GEMMs take. The GEMM of a layer is
+weight-only (``activations=False``: the weight decoded to the activation dtype inside the jitted
+GEMM, then a plain dot with float32 accumulation) or weight-and-activation (``activations=True``:
+the activation quantized along K in the same format, 1-D blocks, and the product through
+:func:`jaxmx.matmul`, native where the machine has the kernel). Forward only: a gradient through
+it raises.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> storage = WeightStorage(fmt="mxfp8_e4m3")
+    >>> w = stored_weight(jnp.ones((64, 8)), (-1,), (8,), storage, "up")
+    >>> w.shape, w.axis, storage.label
+    ((8, 64), 1, 'mxfp8_e4m3, weights only')
+    >>> dense_forward(jnp.ones((2, 64)), w, None, axes=(-1,), features=(8,), storage=storage,
+    ...               dtype=jnp.float32).tolist()[0][:2]
+    [64.0, 64.0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx._src.core.checks import normalize_axis
+from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.gemm.matmul import matmul
+from jaxmx._src.quantize.quantize import dequantize, quantize
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WeightStorage:
+    """How ``quantize_weights`` stores and uses a converted layer's kernel.
+
+    Attributes:
+        fmt: a format of :data:`jaxmx.FORMATS` (``"mxfp8_e4m3"``, ``"mxfp4"``, ``"nvfp4"``,
+            ``"fp8_e4m3_block"``, ...).
+        tile: ``None`` (1-D blocks along K) or ``(rows, cols)``: one scale per tile of the
+            ``[N, K]`` weight (NVFP4 ``(16, 16)``, block FP8 ``(128, 128)``).
+        activations: ``False``: weight-only (W8A16 / W4A16); ``True``: the activations are
+            quantized too (W8A8 / W4A4).
+    """
+
+    fmt: str
+    tile: tuple[int, int] | None = None
+    activations: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "fmt", get_format(self.fmt).name)
+        if self.tile is not None:
+            tile = tuple(self.tile) if isinstance(self.tile, (tuple, list)) else None
+            if (
+                tile is None
+                or len(tile) != 2
+                or not all(isinstance(t, int) and t > 0 for t in tile)
+            ):
+                raise ValueError(
+                    f"quantize_weights: tile must be None or (rows, cols) of positive ints, got "
+                    f"{self.tile!r}"
+                )
+            object.__setattr__(self, "tile", tile)
+        if not isinstance(self.activations, bool):
+            raise TypeError(
+                f"quantize_weights: activations must be a bool, got {self.activations!r}"
+            )
+
+    @property
+    def label(self) -> str:
+        """The report's description of the stored weight."""
+        tile = f" {self.tile[0]}x{self.tile[1]} tiles" if self.tile else ""
+        mode = "weights and activations" if self.activations else "weights only"
+        return f"{self.fmt}{tile}, {mode}"
+
+
+def stored_weight(
+    kernel: jax.Array,
+    axes: tuple[int, ...],
+    features: tuple[int, ...],
+    storage: WeightStorage,
+    path: str,
+) -> MXArray:
+    """``kernel [*in, *features]`` of the layer at ``path``, which contracts ``len(axes)`` input
+    dims, as the ``[N, K]`` MXArray quantized along K."""
+    n_in = len(axes)
+    if kernel.ndim != n_in + len(features) or tuple(kernel.shape[n_in:]) != features:
+        raise ValueError(
+            f"quantize_weights: layer {path!r} has a kernel of shape {tuple(kernel.shape)}, not "
+            f"[{n_in} contracted dims, *{features}] (a layer under a lifted transform such as "
+            "scan or vmap, whose kernel is stacked, is not supported: exclude it)"
+        )
+    k = math.prod(kernel.shape[:n_in])
+    w = jnp.asarray(kernel).reshape(k, -1).T
+    return quantize(w, storage.fmt, axis=-1, tile=storage.tile)
+
+
+def dense_forward(
+    x: jax.Array,
+    w: MXArray,
+    bias: jax.Array | None,
+    *,
+    axes: tuple[int, ...],
+    features: tuple[int, ...],
+    storage: WeightStorage,
+    dtype,
+) -> jax.Array:
+    """A Dense / DenseGeneral layer on its stored weight: ``x`` contracted over ``axes`` with the
+    ``[N, K]`` weight ``w``, the result ``[*other dims of x, *features]`` in ``dtype``, plus
+    ``bias``."""
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    x = jnp.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
+    batch, k = x.shape[: x.ndim - len(axes)], math.prod(x.shape[x.ndim - len(axes) :])
+    if (k, math.prod(features)) != (w.shape[1], w.shape[0]):
+        raise ValueError(
+            f"quantize_weights: the layer contracts K = {k} into N = {math.prod(features)} "
+            f"features, but its stored weight is [N, K] = {list(w.shape)}"
+        )
+    y = _gemm(x.reshape(-1, k).astype(dtype), w, storage.activations, jnp.dtype(dtype))
+    y = y.reshape(*batch, *features)
+    return y if bias is None else y + jnp.asarray(bias, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gemm(x: jax.Array, w: MXArray, activations: bool, dtype) -> jax.Array:
+    """``x [M, K] @ w [N, K]^T`` in ``dtype``."""
+    if activations:
+        return matmul(quantize(x, w.fmt, axis=-1), w, dtype)
+    w_hat = dequantize(w, dtype)
+    dims = (((1,), (1,)), ((), ()))
+    return lax.dot_general(x, w_hat, dims, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _gemm_fwd(x, w, activations, dtype):
+    return _gemm(x, w, activations, dtype), None
+
+
+def _gemm_bwd(activations, dtype, residuals, g):
+    raise TypeError(
+        "quantize_weights: a model with weights at rest is for inference (forward only) and has "
+        "no gradient; train the original model (jaxmx.flax quantize_model for MX training), then "
+        "convert it"
+    )
+
+
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+def kernel_sizes(kernel, stored: MXArray | None) -> tuple[int, int]:
+    """``(bytes as stored, bytes in bfloat16)`` of a kernel (``stored``: its MXArray, if
+    converted)."""
+    nbytes = stored.nbytes if stored is not None else kernel.size * jnp.dtype(kernel.dtype).itemsize
+    return nbytes, kernel.size * 2
+
+
+def hook_refusal(layer) -> str | None:
+    """Why ``layer`` (a Flax Linear / Dense) is not converted when it sets its own GEMM hook
+    (``dot_general`` or ``dot_general_cls``, e.g. a :func:`quantize_model` conversion), which
+    its stored weight's GEMM would bypass; ``None`` when it keeps Flax's default."""
+    if getattr(layer, "dot_general", None) in (None, lax.dot_general) and (
+        getattr(layer, "dot_general_cls", None) is None
+    ):
+        return None
+    return (
+        "not converted: the layer sets its own dot_general / dot_general_cls, which its stored "
+        "weight's GEMM would bypass; exclude it or drop the hook"
+    )

@@ -149,7 +149,7 @@ def test_statistics_match_numpy_reference(case):
 @pytest.mark.parametrize("element", ["fp8_e5m2", "fp4_e2m1"])
 def test_other_elements_match_numpy_reference(element):
     x = outlier_in_rows()[:, :256] * np.float32(1e-3)
-    levels = ("tensor", "row", "mx32", *(("nvfp4_16",) if element == "fp4_e2m1" else ()))
+    levels = ("mx32", "nvfp4_16") if element == "fp4_e2m1" else ("tensor", "row", "mx32")
     g = diagnostics.granularity(jnp.asarray(x), fmt=element, levels=levels)
     assert g.names == levels
     for level, stats in g.levels.items():
@@ -181,7 +181,7 @@ def test_axis_and_format_names():
     assert by_rows.element == by_cols.element == "fp8_e4m3"
     assert float(by_rows.levels["row"].underflow) == float(by_cols.levels["row"].underflow)
     nvfp4 = diagnostics.granularity(jnp.asarray(x), fmt="nvfp4")
-    assert nvfp4.names == ("tensor", "row", "mx32", "nvfp4_16")
+    assert nvfp4.names == ("mx32", "nvfp4_16")  # no per-tensor or per-row 4-bit format
 
 
 def test_bad_input():
@@ -194,6 +194,8 @@ def test_bad_input():
         diagnostics.granularity(jnp.ones(256), levels=("128x128",))
     with pytest.raises(ValueError, match="fp8_e4m3 has no level"):
         diagnostics.granularity(x, levels=("nvfp4_16",))
+    with pytest.raises(ValueError, match="fp4_e2m1 has no level"):
+        diagnostics.granularity(x, fmt="fp4_e2m1", levels=("tensor",))
     with pytest.raises(ValueError, match="underflow_budget"):
         diagnostics.granularity(x, underflow_budget=2)
     assert "128x128" not in diagnostics.granularity(jnp.ones(256)).names

@@ -3,8 +3,10 @@ step) needs, measured by quantizing it at every level of a ladder, coarsest firs
 
 The ladder (:data:`LEVELS`) and what each level quantizes with:
 
-- ``"tensor"``: one float32 scale for the whole tensor (current scaling, torchao's tensorwise);
-- ``"row"``: one float32 scale per row along ``axis`` (torchao's axiswise / rowwise);
+- ``"tensor"``: one float32 scale for the whole tensor (``fp8_*_tensor``: current scaling,
+  torchao's tensorwise; 8-bit only);
+- ``"row"``: one float32 scale per row along ``axis`` (``fp8_*_row``: torchao's axiswise; 8-bit
+  only);
 - ``"128x128"``: float32 scales per 128x128 tile of the last two axes (``fp8_*_block`` with
   ``tile=(128, 128)``; arrays of rank >= 2, leading axes as batch);
 - ``"1x128"``: float32 scales per 128 elements along ``axis`` (``fp8_*_block``);
@@ -35,7 +37,6 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
@@ -48,7 +49,7 @@ from jaxmx._src.core.recipes import (
     Recipe,
 )
 from jaxmx._src.diagnostics.telemetry import LEGS
-from jaxmx._src.quantize.codec import decode_elements, encode
+from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training.scope import Leg, Tap, observing
 
@@ -59,15 +60,18 @@ a row, a 128x128 tile, 128, 32, 16)."""
 ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 """The element formats :func:`granularity` measures (or any jaxmx format name of one)."""
 
-# element format -> {level: (jaxmx format, tile)} of the levels a jaxmx quantizer computes;
-# "tensor" and "row" (current scaling, _current_scaling) exist for every element format
+# element format -> {level: (jaxmx format, tile)}: the quantizer of each level it has
 _QUANTIZERS = {
     "fp8_e4m3": {
+        "tensor": ("fp8_e4m3_tensor", None),
+        "row": ("fp8_e4m3_row", None),
         "128x128": ("fp8_e4m3_block", (128, 128)),
         "1x128": ("fp8_e4m3_block", None),
         "mx32": ("mxfp8_e4m3", None),
     },
     "fp8_e5m2": {
+        "tensor": ("fp8_e5m2_tensor", None),
+        "row": ("fp8_e5m2_row", None),
         "128x128": ("fp8_e5m2_block", (128, 128)),
         "1x128": ("fp8_e5m2_block", None),
         "mx32": ("mxfp8_e5m2", None),
@@ -289,7 +293,7 @@ def element_of(fmt: str | Format) -> str:
 
 def available_levels(element: str, ndim: int = 2) -> tuple[str, ...]:
     """The levels :func:`granularity` measures by default for ``element`` and rank ``ndim``."""
-    have = ("tensor", "row", *_QUANTIZERS[element])
+    have = _QUANTIZERS[element]
     return tuple(lv for lv in LEVELS if lv in have and (lv != "128x128" or ndim >= 2))
 
 
@@ -331,28 +335,13 @@ def _measure(x, *, element: str, axis: int, levels: tuple[str, ...]) -> tuple[Le
     f = get_format(_TWIN[element])
     out = []
     for level in levels:
-        if level in ("tensor", "row"):
-            codes, xhat = _current_scaling(x, f, rowwise=level == "row")
-        else:
-            name, tile = _QUANTIZERS[element][level]
-            q = quantize(x, name, tile=tile)
-            codes = decode_elements(q.data, get_format(name))[tuple(slice(0, n) for n in x.shape)]
-            xhat = dequantize(q, jnp.float32)
+        name, tile = _QUANTIZERS[element][level]
+        q = quantize(x, name, tile=tile)
+        codes = decode_elements(q.data, get_format(name))[tuple(slice(0, n) for n in x.shape)]
+        xhat = dequantize(q, jnp.float32)
         values, valid = _groups(x, level)
         out.append(_level_stats(x, codes, xhat, _spans(values, valid), f))
     return tuple(out)
-
-
-def _current_scaling(x: jax.Array, f: Format, *, rowwise: bool) -> tuple[jax.Array, jax.Array]:
-    """Current scaling, as torchao's float8 tensorwise (``rowwise=False``) and axiswise
-    (``rowwise``: per row along the last axis) scaling: ``scale = elem_max / max(amax, 1e-12)``
-    in float32, ``codes = cast_RNE(clip(x * scale, ±elem_max))`` (jaxmx's exact codec: XLA's
-    own float32-to-fp8 convert may round twice), dequantized ``codes / scale``.
-    Returns ``(codes, dequantized)`` as float32."""
-    amax = jnp.max(jnp.abs(x), axis=-1 if rowwise else None, keepdims=True)
-    scale = bits.divide(jnp.float32(f.elem_max), jnp.maximum(amax, jnp.float32(1e-12)))
-    codes = decode_elements(encode(jnp.clip(x * scale, -f.elem_max, f.elem_max), f), f)
-    return codes, bits.divide(codes, scale)
 
 
 def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:

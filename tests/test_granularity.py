@@ -260,6 +260,11 @@ def test_advised_recipes_names_missing_level():
         "up#1": diagnostics.LayerAdvice(name="up#1", legs={}, level="mx32", reason=""),
     }
     assert diagnostics.advised_recipes(twice) == {"up": jaxmx.recipes.MXFP8}  # the finest
+    products = {  # an attention layer's two products name the layer, at the finer level
+        f"blk/attn/{p}": diagnostics.LayerAdvice(name=f"blk/attn/{p}", legs={}, level=lv, reason="")
+        for p, lv in (("qk", "tensor"), ("pv", "mx32"))
+    }
+    assert diagnostics.advised_recipes(products) == {"blk/attn": jaxmx.recipes.MXFP8}
 
 
 def test_recipe_mapping_errors():

@@ -51,6 +51,7 @@ from jaxmx._src.core.recipes import (
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.training.attention import PRODUCTS as ATTENTION_PRODUCTS
 from jaxmx._src.training.scope import Leg, Tap, observing
 
 LEVELS = ("tensor", "row", "128x128", "1x128", "mx32", "nvfp4_16")
@@ -660,12 +661,21 @@ def _layer_advice(name, forward, gradients, element, levels, budget) -> LayerAdv
     )
 
 
+def _layer_path(gemm_name: str) -> str:
+    """The path of the layer a GEMM name belongs to: without its call count (``#k``), and an
+    attention product's the attention layer's."""
+    path = gemm_name.split("#")[0]
+    parent, _, last = path.rpartition("/")
+    return parent if parent and last in ATTENTION_PRODUCTS else path
+
+
 def advised_recipes(
     advice: Mapping[str, LayerAdvice], level_recipes: Mapping[str, Recipe] = LEVEL_RECIPES
 ) -> dict[str, Recipe]:
     """``{layer path: Recipe}`` for ``quantize_model(..., recipe=...)``: each GEMM's advised
     level through ``level_recipes`` (a GEMM called more than once, ``name#1``, ..., takes the
-    finest of its calls' levels).
+    finest of its calls' levels, and an attention layer the finer of its two products,
+    ``path/qk`` and ``path/pv``).
 
     Raises:
         ValueError: a layer's level has no recipe in ``level_recipes`` (it is named).
@@ -677,7 +687,7 @@ def advised_recipes(
     """
     levels: dict[str, str] = {}
     for name, layer in advice.items():
-        path = name.split("#")[0]
+        path = _layer_path(name)
         if path not in levels or LEVELS.index(layer.level) > LEVELS.index(levels[path]):
             levels[path] = layer.level
     missing = {path: level for path, level in levels.items() if level not in level_recipes}

@@ -117,7 +117,7 @@ def test_batch_dims_and_vmap_take_one_scale_pair_per_gemm():
         for i in range(3):
             da, db = decoded(x[i], fmt, 1, "fp32"), decoded(w[i], fmt, 1, "fp32")
             assert_within_bound(mapped[i], da @ db.T, np.abs(da) @ np.abs(db).T, 32)
-        batched = gemm(x, w, "ffi")  # one tensor scale over the batch: the bytes of the emulation's
+        batched = gemm(x, w, "ffi")  # batch dims: one scale for the whole tensor
         np.testing.assert_allclose(batched, gemm(x, w, "emulate"), rtol=1e-5, atol=1e-6)
 
 

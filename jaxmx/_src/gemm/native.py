@@ -681,7 +681,7 @@ def row_scaled(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Ar
     Example:
         >>> import jax.numpy as jnp
         >>> row_scaled(jnp.full((1, 2), 6.0), jnp.float32([2.0**100]), jnp.float32([3.0, 2.0**-90]))
-        Array([[1.5777218e-30, 4.8828125e-03]], dtype=float32)
+        Array([[1.5777218e-30, 5.8593750e-03]], dtype=float32)
     """
     fa, ea = _mantissa_exponent(a_scale[..., :, None])
     fb, eb = _mantissa_exponent(b_scale[..., None, :])

@@ -43,9 +43,7 @@ def _decoded_logits(model, tokens, fmt, prefill=5):
     logits, caches = serve.forward(graphdef, state, caches, tokens[:, :prefill], 0)
     out = [logits]
     for i in range(prefill, tokens.shape[1]):
-        logits, caches = serve.forward(
-            graphdef, state, caches, tokens[:, i : i + 1], jnp.int32(i)
-        )
+        logits, caches = serve.forward(graphdef, state, caches, tokens[:, i : i + 1], jnp.int32(i))
         out.append(logits)
     return np.asarray(jnp.concatenate(out, axis=1))
 
@@ -159,7 +157,7 @@ def test_save_and_load_model_round_trip(saved):
     out, model, _ = saved
     restored, restored_cfg = serve.load_model(out)
     assert restored_cfg == CFG
-    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(restored))):
+    for a, b in zip(*(jax.tree.leaves(nnx.state(m)) for m in (model, restored)), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -181,7 +179,7 @@ def test_cli_generate_prints_both_texts_and_the_comparison(saved, capsys):
 
     with pytest.raises(SystemExit, match=r"len\(prompt\) \+ length <= the model's context 16"):
         main(["generate", "--out", str(out_dir), "--length", "20"])
-    with pytest.raises(SystemExit, match="no trained demo model in .*: run python -m jaxmx.demo"):
+    with pytest.raises(SystemExit, match=r"no trained demo model in .*: run python -m jaxmx.demo"):
         main(["generate", "--out", str(out_dir / "none")])
     flags = build_generate_parser().parse_args(["--weights-fmt", "nvfp4", "--cache-fmt", "mxfp4"])
     assert (flags.weights_fmt, flags.cache_fmt, flags.eval_batches) == ("nvfp4", "mxfp4", 4)

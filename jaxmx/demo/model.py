@@ -212,7 +212,9 @@ def init_caches(
     heads = model.blocks[0].attn.heads
     head_dim = model.embed.features // heads
     if fmt is None:
-        return [DenseCache.create(batch, max_len, heads, head_dim, model.dtype) for _ in model.blocks]
+        return [
+            DenseCache.create(batch, max_len, heads, head_dim, model.dtype) for _ in model.blocks
+        ]
     return [jaxmx.KVCache.create(batch, max_len, heads, head_dim, fmt=fmt) for _ in model.blocks]
 
 

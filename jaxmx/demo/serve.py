@@ -181,7 +181,10 @@ class ServeReport:
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         table = [
-            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
             for r in rows
         ]
         return "\n".join(

@@ -1,6 +1,7 @@
 """The demo end to end with a tiny model: both runs train, the report and the plot are written."""
 
 import ast
+import dataclasses
 import graphlib
 import json
 import pathlib
@@ -15,7 +16,7 @@ from flax import nnx
 import jaxmx
 import jaxmx.demo.__main__ as demo_main
 import jaxmx.demo.train as demo_train
-from jaxmx.demo import data, report
+from jaxmx.demo import data, report, serve
 from jaxmx.demo.__main__ import build_parser, main, parse_args
 from jaxmx.demo.train import Config, get_recipe, train
 
@@ -65,6 +66,10 @@ def test_demo_main_trains_both_and_writes_report(tmp_path, capsys):
     assert f"{history['unigram_entropy']:.3f}" in summary
     png = (tmp_path / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    # the bf16 model, for `generate`: restored with the run's configuration
+    assert f"saved the bf16 model to {tmp_path / 'bf16_model'}" in out
+    model, cfg = serve.load_model(tmp_path)
+    assert dataclasses.asdict(cfg) == history["config"] and model.embed.features == 32
 
 
 def test_progress_is_a_bar_on_a_terminal_else_lines(capsys, monkeypatch):

@@ -18,7 +18,7 @@ SMALL = {
     "JAXMX_NB_STEPS": "20",
     "JAXMX_NB_D_MODEL": "32",
     "JAXMX_NB_LAYERS": "1",
-    "JAXMX_NB_HEADS": "2",
+    "JAXMX_NB_HEADS": "1",  # head_dim 32: an MXFP8 KV cache (02's serving cell)
     "JAXMX_NB_SEQ_LEN": "32",
     "JAXMX_NB_BATCH": "8",
     "JAXMX_NB_EVAL_EVERY": "10",
@@ -146,6 +146,8 @@ def test_train_notebook_runs(tmp_path, monkeypatch, jax_cache):
         "image/png" in out.get("data", {}) for cell in nb.cells for out in cell.get("outputs", [])
     )
     assert "--- mxfp8 ---" in text
+    assert "mxfp8_e4m3 weights, mxfp8_e4m3 cache: " in text  # the serving cell
+    assert "per-token agreement" in text and "KV cache (bytes)" in text
 
 
 def test_diagnostics_notebook_runs(tmp_path, monkeypatch, jax_cache):

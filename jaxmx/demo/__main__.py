@@ -8,7 +8,8 @@ writes ``loss_curves.png``, ``summary.txt`` and ``history.json`` to ``--out``. `
 (or ``mxfp4``) trains in 4 bits, by default with the last block in BF16 (``--keep-last``);
 ``--ablate`` also trains it with each of its features switched off in turn. ``--advise`` measures
 which scaling granularity each GEMM leg needs after the MXFP8 run, and trains with the advised
-per-layer recipes beside it.
+per-layer recipes beside it. The trained BF16 model is saved (orbax) to ``--out``/bf16_model,
+from which ``python -m jaxmx.demo generate`` decodes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import jax
 
 from jaxmx import BACKENDS, FORMATS
-from jaxmx.demo import advise, report
+from jaxmx.demo import advise, report, serve
 from jaxmx.demo.train import (
     KEEP_LAST,
     RECIPES,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m jaxmx.demo",
         description=__doc__.split("\n")[0].replace("``", ""),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="python -m jaxmx.demo generate --help: decode from the trained BF16 model",
     )
     p.add_argument("--steps", type=int, default=_DEFAULTS.steps, help="training steps per run")
     p.add_argument("--d-model", type=int, default=_DEFAULTS.d_model, help="model width")
@@ -130,7 +132,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def build_generate_parser() -> argparse.ArgumentParser:
+    """``python -m jaxmx.demo generate``'s command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m jaxmx.demo generate",
+        description="Greedy decoding from the BF16 model a training run saved in --out: with "
+        "bf16 weights and KV cache, then with MX weights at rest and an MX KV cache; compares "
+        "the texts, the validation log-likelihood, the bytes and the speed.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--out", default="jaxmx_demo", help="the training run's output directory (the model)"
+    )
+    p.add_argument("--prompt", default="The ", help="the prompt (UTF-8)")
+    p.add_argument(
+        "--length",
+        type=int,
+        default=None,
+        help="bytes to generate; None: up to the model's context (--seq-len of the training)",
+    )
+    p.add_argument(
+        "--weights-fmt",
+        choices=FORMATS,
+        default="mxfp8_e4m3",
+        help="format of the linear layers' weights at rest (weight-only)",
+    )
+    p.add_argument(
+        "--cache-fmt", choices=FORMATS, default="mxfp8_e4m3", help="format of the MX KV cache"
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=4,
+        help="validation batches (of the training's --batch windows) for the log-likelihood; "
+        "0: the whole validation split",
+    )
+    return p
+
+
+def generate(argv: list[str]) -> int:
+    """``python -m jaxmx.demo generate ...``: prints :func:`jaxmx.demo.serve.serve`'s report."""
+    args = build_generate_parser().parse_args(argv)
+    try:
+        model, cfg = serve.load_model(args.out)
+    except FileNotFoundError as e:
+        raise SystemExit(str(e)) from None
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    print(f"restored the bf16 model of {cfg}")
+    try:
+        result = serve.serve(
+            model,
+            prompt=args.prompt.encode("utf-8"),
+            length=args.length,
+            weights_fmt=args.weights_fmt,
+            cache_fmt=args.cache_fmt,
+            batch=cfg.batch,
+            eval_batches=args.eval_batches or None,
+        )
+    except ValueError as e:
+        raise SystemExit(f"generate: {e}") from None
+    print(result)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["generate"]:
+        return generate(argv[1:])
     args = parse_args(argv)
     keep_last = KEEP_LAST.get(args.recipe, 0) if args.keep_last is None else args.keep_last
     if not 0 <= keep_last <= args.layers:
@@ -177,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     band = seed_band(cfg, args.seeds, progress=progress)
     summary = report.write(runs, args.out, config=cfg, recipe=recipe, band=band)
     print(summary.text)
+    path = serve.save_model(runs[0].model, args.out)
+    print(f"saved the bf16 model to {path}: python -m jaxmx.demo generate --out {args.out}")
     return 0
 
 

@@ -11,7 +11,7 @@ bytes its GEMM saves for the backward pass.
   the stack, ``x [batch * seq_len, d_model] . w [d_model, 4 * d_model]``, bfloat16 operands)
   keeps for its backward pass (the leaves of ``jax.vjp``'s function), in bytes per element of
   the two operands: BF16 keeps both operands (2 bytes), a quantized recipe its codes (one
-  byte per FP8 / MXFP6 / MXINT8 element) plus their scales.
+  byte per FP8 / MXFP6 / MXINT8 element, 4 bits per FP4 element) plus their scales.
 
     python benchmarks/recipes.py --repeats 9
 """
@@ -66,8 +66,12 @@ def residual_bytes(recipe, x, w) -> list[tuple[tuple[int, ...], str, int]]:
     """
     with jaxmx.stochastic_rounding(_KEY):
         _, vjp = jax.vjp(dense(recipe), x, w)
-    leaves = jax.tree.leaves(vjp)
-    return [(a.shape, str(a.dtype), a.size * a.dtype.itemsize) for a in leaves]
+    return [(a.shape, str(a.dtype), a.size * _bits(a.dtype) // 8) for a in jax.tree.leaves(vjp)]
+
+
+def _bits(dtype) -> int:
+    """Storage bits of one element: 4 for the 4-bit code types, else the item size."""
+    return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else 8 * dtype.itemsize
 
 
 def train_step(recipe, heads: int):

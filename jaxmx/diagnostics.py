@@ -10,6 +10,10 @@
   statistics of every leg of every jaxmx GEMM (forward operands, the gradient's two copies);
   :func:`telemetry_report` collects them by GEMM name and :func:`first_nonfinite` finds where a
   NaN or inf first appeared.
+- :func:`granularity` quantizes a tensor at every scaling level (per tensor, per row, 128x128
+  tiles, 1x128 blocks, MX 32-blocks, NVFP4 16-blocks) and recommends the coarsest that keeps
+  underflow within a budget; :func:`advise` does it for every GEMM leg of a training step, and
+  :func:`advised_recipes` turns its advice into ``quantize_model``'s per-layer recipes.
 
 See docs/diagnostics.md.
 
@@ -22,6 +26,19 @@ Example:
 """
 
 from jaxmx._src.diagnostics.block_stats import BlockStats, block_stats, gemm_probe
+from jaxmx._src.diagnostics.granularity import (
+    ELEMENTS,
+    LEVEL_RECIPES,
+    LEVELS,
+    Advice,
+    Granularity,
+    LayerAdvice,
+    LevelStats,
+    Recommendation,
+    advise,
+    advised_recipes,
+    granularity,
+)
 from jaxmx._src.diagnostics.telemetry import (
     LEGS,
     ForwardLegs,
@@ -38,17 +55,28 @@ from jaxmx._src.diagnostics.telemetry import (
 from jaxmx._src.training.scope import named
 
 __all__ = [
+    "ELEMENTS",
     "LEGS",
+    "LEVELS",
+    "LEVEL_RECIPES",
+    "Advice",
     "BlockStats",
     "ForwardLegs",
     "GemmTelemetry",
     "GradientLegs",
+    "Granularity",
+    "LayerAdvice",
     "LegStats",
+    "LevelStats",
+    "Recommendation",
     "Telemetry",
+    "advise",
+    "advised_recipes",
     "block_stats",
     "first_nonfinite",
     "gemm_probe",
     "gemm_taps",
+    "granularity",
     "leg_stats",
     "named",
     "telemetry",

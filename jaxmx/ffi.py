@@ -5,7 +5,7 @@ Blackwell, a C++ handler on the CPU); ``block_fp8_matmul`` block-FP8 operands (1
 128x128 tiles, float32 scales: cuBLASLt on Hopper, the C++ handler on the CPU); ``fp4_matmul``
 NVFP4 or MXFP4 operands (cuBLASLt on Blackwell, the C++ handler on the CPU); ``fp8_matmul`` FP8
 operands with per-tensor float32 scales (cuBLASLt on compute capability >= 8.9, the C++ handler
-on the CPU).
+on the CPU), also the GEMM of the per-tensor and per-row FP8 formats (``CURRENT_FP8_FORMATS``).
 Most code calls
 :func:`jaxmx.matmul` or :func:`jaxmx.dot_general` with ``backend="ffi"`` instead.
 
@@ -32,6 +32,7 @@ from jaxmx._src.gemm.extension import register_targets
 from jaxmx._src.gemm.native import (
     BLOCK_FP8_FORMATS,
     BLOCK_FP8_TARGET,
+    CURRENT_FP8_FORMATS,
     FP4_FORMATS,
     FP4_TARGET,
     FP8_TARGET,
@@ -47,6 +48,7 @@ from jaxmx._src.gemm.native import (
 __all__ = [
     "BLOCK_FP8_FORMATS",
     "BLOCK_FP8_TARGET",
+    "CURRENT_FP8_FORMATS",
     "FP4_FORMATS",
     "FP4_TARGET",
     "FP8_TARGET",

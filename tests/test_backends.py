@@ -137,11 +137,15 @@ def test_the_availability_report_names_every_backend():
 
 def test_the_report_names_the_recipes_each_native_gemm_runs(machine):
     machine(HOPPER)
-    assert jaxmx.backends()["native-recipes"] == "DEEPSEEK_FP8, FP8_BLOCK_POW2 (cuBLASLt)"
+    hopper = (  # block FP8, per-tensor and per-row FP8
+        "DEEPSEEK_FP8, FP8_BLOCK_POW2, FP8_ROWWISE, FP8_ROWWISE_GW_HP, FP8_TENSORWISE (cuBLASLt)"
+    )
+    assert jaxmx.backends()["native-recipes"] == hopper
     assert jaxmx.backends()["cublaslt-block-fp8"] == "available"
     machine(BLACKWELL)
-    mx_gpu = (  # pow2 block scales as MX
-        "FP8_BLOCK_POW2, MXFP4, MXFP8, MXFP8_2D, MXFP8_HYBRID, NVFP4 (cuBLASLt)"
+    mx_gpu = (  # pow2 block scales as MX; per-tensor and per-row FP8
+        "FP8_BLOCK_POW2, FP8_ROWWISE, FP8_ROWWISE_GW_HP, FP8_TENSORWISE, MXFP4, MXFP8, "
+        "MXFP8_2D, MXFP8_HYBRID, NVFP4 (cuBLASLt)"
     )
     assert jaxmx.backends()["native-recipes"] == mx_gpu
 

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxmx
+import jaxmx.demo.__main__ as demo_main
 import jaxmx.demo.train as demo_train
 from jaxmx.demo import data, report
 from jaxmx.demo.__main__ import build_parser, main, parse_args
@@ -261,6 +262,34 @@ def test_demo_ablate_table(tmp_path, capsys, monkeypatch):
     assert summary.splitlines()[4].split() == ["nvfp4", "no", "rht", "2.0400", "+2.00%"]
     png = (tmp_path / "loss_curves.png").read_bytes()
     assert png.startswith(b"\x89PNG")
+
+
+def test_demo_advise_prints_table_and_trains_the_advised_mapping(tmp_path, capsys, monkeypatch):
+    trained = []
+
+    def fake_train(cfg, recipe, *, name, progress):  # a built (untrained) model: the advice runs
+        trained.append((name, recipe))
+        loss = [2.0 + len(trained) / 100]
+        run = demo_train.RunResult(name, [2], loss, [2], loss)
+        run.model = demo_train.build_model(cfg, recipe)
+        return run
+
+    monkeypatch.setattr(demo_main, "train", fake_train)
+    args = [*TINY, "--steps", "2", "--advise", "--advise-budget", "0.05", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    (_, mxfp8), (_, mapping) = trained
+    assert mxfp8 == jaxmx.recipes.MXFP8 and [name for name, _ in trained] == ["mxfp8", "advised"]
+    paths = ["blocks/0/attn/qkv", "blocks/0/attn/out", "blocks/0/mlp/up", "blocks/0/mlp/down"]
+    assert list(mapping) == paths
+    assert all(isinstance(r, jaxmx.Recipe) for r in mapping.values())
+    for path in paths:
+        assert path in out
+    assert "underflow budget 5%" in out and "advised  train 2.0200" in out
+    assert (tmp_path / "advise.txt").read_text().strip() in out
+    assert (tmp_path / "granularity.png").read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit, match="--advise does not combine"):
+        main(["--advise", "--diagnose", "--steps", "1"])
 
 
 def test_demo_flag_errors():

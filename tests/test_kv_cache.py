@@ -187,6 +187,9 @@ def test_bad_inputs_raise_clear_errors():
     create = jaxmx.KVCache.create
     with pytest.raises(ValueError, match="unknown fmt 'int8'"):
         create(1, 8, 1, 32, fmt="int8")
+    for fmt, span in (("fp8_e4m3_tensor", "tensor"), ("fp8_e4m3_row", "row")):
+        with pytest.raises(ValueError, match=f"{fmt}' has one scale per {span}"):
+            create(1, 8, 1, 32, fmt=fmt)
     with pytest.raises(ValueError, match="head_dim 40 must be a multiple of mxfp8_e4m3's block"):
         create(1, 8, 1, 40)
     with pytest.raises(ValueError, match="max_len must be a positive int"):

@@ -321,10 +321,9 @@ def test_recipe_options_work_or_are_refused_by_name():
         ValueError, match=r"fp8_e4m3_tensor has one scale per tensor; lax.scaled_dot"
     ):
         recipes.FP8_TENSORWISE.replace(backend="xla")
-    with pytest.raises(
-        NotImplementedError, match=r"no native GEMM takes fp8_e4m3_row x fp8_e4m3_row"
-    ):
-        jaxmx.dot_general(x, w, TN, recipe=recipes.FP8_ROWWISE.replace(backend="ffi"))
+    e5m2 = recipes.FP8_TENSORWISE.replace(fwd="fp8_e5m2_tensor", backend="ffi")
+    with pytest.raises(NotImplementedError, match=r"fp8_e5m2_tensor x fp8_e5m2_tensor is not"):
+        jaxmx.dot_general(x, w, TN, recipe=e5m2)  # no such cuBLASLt kernel
     with pytest.raises(
         NotImplementedError, match=r"fp8_e4m3_tensor .one scale per tensor. has no grouped"
     ):

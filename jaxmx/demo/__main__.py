@@ -6,7 +6,9 @@ on MX operands); embeddings, the output head, norms and attention scores stay in
 it prints a table of train/validation losses with the relative gap and the step-time ratio, and
 writes ``loss_curves.png``, ``summary.txt`` and ``history.json`` to ``--out``. ``--recipe nvfp4``
 (or ``mxfp4``) trains in 4 bits, by default with the last block in BF16 (``--keep-last``);
-``--ablate`` also trains it with each of its features switched off in turn.
+``--ablate`` also trains it with each of its features switched off in turn. ``--advise`` measures
+which scaling granularity each GEMM leg needs after the MXFP8 run, and trains with the advised
+per-layer recipes beside it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,17 @@ import sys
 import jax
 
 from jaxmx import BACKENDS, FORMATS
-from jaxmx.demo import report
-from jaxmx.demo.train import KEEP_LAST, RECIPES, Config, ablate, compare, get_recipe, seed_band
+from jaxmx.demo import advise, report
+from jaxmx.demo.train import (
+    KEEP_LAST,
+    RECIPES,
+    Config,
+    ablate,
+    compare,
+    get_recipe,
+    seed_band,
+    train,
+)
 
 _DEFAULTS = Config()
 
@@ -86,6 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between telemetry records; None: steps / 30",
     )
     p.add_argument(
+        "--advise",
+        action="store_true",
+        help="train MXFP8, print and plot the scaling granularity each GEMM leg needs "
+        "(jaxmx.diagnostics.advise), then train with the advised per-layer recipes and compare "
+        "the final losses",
+    )
+    p.add_argument(
+        "--advise-budget",
+        type=float,
+        default=1e-3,
+        help="--advise: the underflow fraction a scaling level may leave",
+    )
+    p.add_argument(
         "--seeds",
         type=int,
         default=0,
@@ -141,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.diagnose:
         diagnose_every = args.diagnose_every or max(1, cfg.steps // 30)
     progress = not args.no_progress
+    if args.advise:
+        if args.ablate or args.diagnose or args.seeds:
+            raise SystemExit("--advise does not combine with --ablate, --diagnose or --seeds")
+        return _advise(cfg, args.advise_budget, args.out, progress)
     if args.ablate:
         runs = ablate(cfg, recipe, name=args.recipe, progress=progress)
         print(report.write_ablation(runs, args.out, config=cfg, recipe=recipe))
@@ -149,6 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     band = seed_band(cfg, args.seeds, progress=progress)
     summary = report.write(runs, args.out, config=cfg, recipe=recipe, band=band)
     print(summary.text)
+    return 0
+
+
+def _advise(cfg: Config, budget: float, out: str, progress: bool) -> int:
+    """``--advise``: MXFP8, the advice on its trained model, then the advised recipes."""
+    mxfp8 = train(cfg, get_recipe("mxfp8"), name="mxfp8", progress=progress)
+    advice = advise.advise_model(mxfp8.model, cfg, budget)
+    mapping = advice.recipes()
+    advised = train(cfg, mapping, name="advised", progress=progress)
+    text = advise.report(advice, mapping, mxfp8, advised)
+    path = advise.write(text, advice, out)
+    print(f"{text}\nwrote {path}")
     return 0
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import sys
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +122,7 @@ def train_step(model, optimizer, inputs, targets, key=None):
 def step_key(cfg: Config, recipe, step: int) -> jax.Array | None:
     """The key of step ``step``'s stochastic gradient rounding, ``fold_in(key(cfg.seed), step)``;
     ``None`` when ``recipe`` rounds to nearest (or is BF16), which leaves the step's program as
-    it was.
+    it was; ``recipe`` may be a per-layer mapping ``{path: Recipe}``.
 
     Example:
         >>> import jaxmx
@@ -130,7 +131,8 @@ def step_key(cfg: Config, recipe, step: int) -> jax.Array | None:
         >>> step_key(Config(), jaxmx.recipes.NVFP4, 1).shape
         ()
     """
-    if recipe is None or recipe.grad_rounding != "stochastic":
+    recipes = recipe.values() if isinstance(recipe, Mapping) else [recipe]  # per-layer recipes
+    if not any(r is not None and r.grad_rounding == "stochastic" for r in recipes):
         return None
     return jax.random.fold_in(jax.random.key(cfg.seed), step)
 

@@ -1,19 +1,24 @@
 """Per-tensor FP8 (``jaxmx.ffi.fp8_matmul``, cuBLASLt SCALAR_32F) on a CUDA device, against the
-emulation (codes times scales, float32 ``jnp.dot`` at HIGHEST) and the CPU handler."""
+emulation (codes times scales, float32 ``jnp.dot`` at HIGHEST) and the CPU handler; the
+per-tensor and per-row FP8 formats and their recipes (FP8_TENSORWISE, FP8_ROWWISE) on it."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 from gpu_helpers import (
+    DRY_RUN,
     LARGE,
     assert_refused,
     assert_within_bound,
+    check_native_gemm,
     emulation,
+    exponent_varied,
     per_tensor,
     require,
     skip_large_in_dry_run,
 )
 
+import jaxmx
 from jaxmx import ffi
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +76,59 @@ def test_fp8_batched_with_one_scale_per_batch_element(gpu, cpu):
     assert_within_bound(out, ref, abs_sum, jnp.float32, "vs emulation")
     out_cpu = f(*jax.device_put((a8, b8, sa, sb), cpu))
     assert_within_bound(out, out_cpu, abs_sum, jnp.float32, "vs CPU handler")
+
+
+CURRENT_CASES = [  # (M, N, K), (lhs format, rhs format, out dtype); K = 200: padded to 208
+    ((96, 80, 200), ("fp8_e4m3_tensor", "fp8_e5m2_tensor", jnp.bfloat16)),
+    ((333, 77, 160), ("fp8_e4m3_row", "fp8_e4m3_row", jnp.float32)),
+    ((64, 130, 96), ("fp8_e5m2_row", "fp8_e4m3_tensor", jnp.float16)),
+]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "pow2"])
+@pytest.mark.parametrize("case", CURRENT_CASES, ids=lambda c: "x".join(c[1][:2]))
+def test_tensor_and_row_formats_match_the_emulation_and_the_cpu_handler(gpu, cpu, case, mode):
+    """``jaxmx.matmul(backend="ffi")`` on per-tensor / per-row FP8 MXArrays: the per-tensor FP8
+    GEMM with decode factors ``1/s``, or unit scales and the row scales on its float32 result."""
+    require("fp8")
+    (m, n, k), (fa, fb, out_dtype) = case
+    ka, kb = jax.random.split(jax.random.key(m + n + k))
+    a = jaxmx.quantize(exponent_varied(ka, (m, k)), fa, scale_mode=mode)
+    b = jaxmx.quantize(exponent_varied(kb, (n, k)), fb, scale_mode=mode)
+    f = jax.jit(lambda a, b: jaxmx.matmul(a, b, out_dtype, backend="ffi"))
+    check_native_gemm(f, a, b, out_dtype, gpu, cpu)
+
+
+@pytest.mark.parametrize("name", ["FP8_TENSORWISE", "FP8_ROWWISE"])
+def test_tensorwise_and_rowwise_recipes_forward_and_backward_on_the_native_gemm(gpu, name):
+    """The three GEMMs of ``jaxmx.dot_general`` under the recipe: ``backend="auto"`` lowers
+    them to the native call on the device (the forward with fast accumulation) and agrees with
+    ``"emulate"`` within 2^-7 of the largest entry, as ``"ffi"`` does."""
+    require("fp8")
+    x = exponent_varied(jax.random.key(11), (256, 512))
+    w = exponent_varied(jax.random.key(12), (384, 512))
+    g = exponent_varied(jax.random.key(13), (256, 384))
+    tn = (((1,), (1,)), ((), ()))
+
+    def step(backend):
+        recipe = getattr(jaxmx.recipes, name).replace(backend=backend)
+
+        def f(x, w, g):
+            y, pullback = jax.vjp(lambda x, w: jaxmx.dot_general(x, w, tn, recipe=recipe), x, w)
+            return (y, *pullback(g))
+
+        return jax.jit(f)
+
+    args = jax.device_put((x, w, g), gpu)
+    if not DRY_RUN:  # on the CPU standing in for the GPU, "auto" emulates
+        text = step("auto").lower(*args).as_text()
+        assert text.count("jaxmx_fp8_matmul") >= 3, "auto did not choose the native GEMM"
+    want = step("emulate")(*args)
+    for backend in ("auto", "ffi"):
+        got = step(backend)(*args)
+        for what, o, e in zip(("y", "dx", "dw"), got, want, strict=True):
+            err = float(jnp.max(jnp.abs(o - e))) / float(jnp.max(jnp.abs(e)))
+            assert err <= 2.0**-7, f"{backend} {what}: max |native - emulate| / max = {err:.3g}"
 
 
 def test_fp8_below_its_compute_capability_is_refused(gpu):

@@ -75,7 +75,8 @@ class Format:
         scale_kind: how the scales are stored (:class:`ScaleKind`): E8M0 powers of two (the
             MX formats), float32 (block FP8), or E4M3 under a float32 tensor scale (NVFP4).
         gemm: the native GEMM family that takes the format (``"mx"``, ``"block_fp8"``,
-            ``"fp4"``), or ``None``.
+            ``"fp4"``, ``"fp8"``: the per-tensor / per-row formats on cuBLASLt's per-tensor FP8
+            GEMM), or ``None``.
         span: what one scale covers: ``"block"`` (``block`` elements along the block axis),
             ``"row"`` (the whole block axis: one scale per index of the other axes) or
             ``"tensor"`` (the whole tensor: one scale).
@@ -293,6 +294,7 @@ FORMATS: dict[str, Format] = {
                 **facts,
                 block=1,
                 scale_kind=FLOAT32_CURRENT_SCALES,
+                gemm="fp8",
                 span=span,
             )
             for span in ("tensor", "row")

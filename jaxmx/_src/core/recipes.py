@@ -79,7 +79,8 @@ class Recipe:
         backend: ``"auto"`` (native cuBLASLt where supported, else emulation), ``"emulate"``
             (exact dequantize + float32-accumulated dot, everywhere) or ``"ffi"`` (the native
             custom call: cuBLASLt on a CUDA GPU that runs the format's GEMM, MXFP8 and FP4 on
-            Blackwell, block FP8 on Hopper; its C++ twin on the CPU) or ``"xla"``
+            Blackwell, block FP8 on Hopper, per-tensor and per-row FP8 from compute capability
+            8.9; its C++ twin on the CPU) or ``"xla"``
             (``jax.lax.scaled_dot``, XLA's block-scaled dot, on every platform: MX formats,
             NVFP4, block FP8 with ``scale_mode="pow2"``; see docs/training_gemm.md).
         residuals: ``"quantized"`` saves only the columnwise MX copies of both operands for the

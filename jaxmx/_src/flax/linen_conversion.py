@@ -19,7 +19,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -50,7 +50,7 @@ _FIELD = "jaxmx_conversion"
 
 def quantize_model(
     module: nn.Module,
-    recipe: Recipe | None = MXFP8,
+    recipe: Recipe | Mapping[str, Recipe | None] | None = MXFP8,
     *,
     include: Rule = None,
     exclude: Rule = (),
@@ -74,7 +74,10 @@ def quantize_model(
 
     Args:
         module: a linen module (unbound).
-        recipe: a :class:`jaxmx.Recipe`, or ``None`` for plain high precision.
+        recipe: a :class:`jaxmx.Recipe`, or ``None`` for plain high precision; or a per-layer
+            mapping ``{pattern: Recipe or None}`` (the first pattern matching a converted layer
+            gives its recipe; a converted layer no pattern matches raises, so add ``"*"`` for
+            the others; :func:`jaxmx.diagnostics.advised_recipes` returns one).
         include: ``None`` (every layer), ``fnmatch`` pattern(s) matched against the
             ``"/"``-joined module path or any run of its components (``"attn/*"`` matches
             ``"blocks/0/attn/key"``), or a predicate ``(path, layer) -> bool``.

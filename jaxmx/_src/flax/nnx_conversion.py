@@ -10,6 +10,7 @@ The model's layers are found by ``nnx.iter_modules``, planned by
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from flax import nnx
 
@@ -42,7 +43,7 @@ CONVERTIBLE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 def quantize_model(
     model: nnx.Module,
-    recipe: Recipe | None = MXFP8,
+    recipe: Recipe | Mapping[str, Recipe | None] | None = MXFP8,
     *,
     include: Rule = None,
     exclude: Rule = (),
@@ -78,7 +79,9 @@ def quantize_model(
     Args:
         model: any nnx module.
         recipe: a :class:`jaxmx.Recipe` (default :data:`jaxmx.recipes.MXFP8`); ``None`` restores
-            plain high-precision ``lax.dot_general`` / ``jnp.einsum`` on the matched layers.
+            plain high-precision ``lax.dot_general`` / ``jnp.einsum`` on the matched layers; or a
+            per-layer mapping ``{pattern: Recipe or None}`` as for
+            :func:`jaxmx.flax.linen.quantize_model`.
         include: ``None`` (every layer), pattern(s), or a predicate ``(path, layer) -> bool``.
         exclude: layers never to convert (same forms), besides the default exclusions.
         exclude_defaults: apply the default exclusions (``False``: only ``exclude``).

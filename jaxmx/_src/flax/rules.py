@@ -288,7 +288,12 @@ class Conversion:
     wins over the default exclusions; the user's ``exclude`` wins over everything. A converted
     layer gets ``keep_recipe`` if ``keep`` matches it or it lies in one of the ``keep_last``
     highest-numbered blocks of its stack (:func:`last_blocks`, over the converted layers), else
-    ``recipe``. Frozen and hashable: two conversions are equal when they compute the same thing.
+    ``recipe``. ``recipe`` may also be a per-layer mapping ``{pattern: Recipe or None}`` (as
+    :func:`jaxmx.diagnostics.advised_recipes` returns): a converted layer gets the recipe of the
+    first pattern that matches it; a converted layer that no pattern matches raises (add a
+    ``"*"`` entry for the others), as does a pattern that matches no converted layer. Frozen and
+    hashable (the mapping is held as ``(pattern, recipe)`` pairs): two conversions are equal
+    when they compute the same thing.
 
     Example:
         >>> from jaxmx._src.core.recipes import MXFP8
@@ -298,9 +303,13 @@ class Conversion:
         blocks/0  Dense  MXFP8           converted
         blocks/1  Dense  high precision  kept: one of the last 1 blocks of 'blocks/'
         head      Dense  high precision  excluded by default: 'head'
+        >>> print(Conversion(recipe={"blocks/0": MXFP8, "*": None}).plan(layers))
+        blocks/0  Dense  MXFP8           converted: recipe pattern 'blocks/0'
+        blocks/1  Dense  high precision  converted: recipe pattern '*'
     """
 
-    recipe: Recipe | None  # the recipe of the converted layers
+    # the recipe of the converted layers, or (pattern, recipe) pairs (given as a mapping)
+    recipe: Recipe | tuple[tuple[str, Recipe | None], ...] | None
     include: Rule = None  # None: every layer; else the candidates
     exclude: Rule = ()  # never converted, besides the defaults (None: as ())
     exclude_defaults: bool = True  # apply DEFAULT_EXCLUDE and the output-head rule
@@ -311,7 +320,7 @@ class Conversion:
     caller: str = "quantize_model"  # the function its errors and warnings name
 
     def __post_init__(self):
-        check_recipe(self.recipe, self.caller, optional=True)
+        object.__setattr__(self, "recipe", _recipes(self.recipe, self.caller))
         check_recipe(self.keep_recipe, self.caller, name="keep_recipe", optional=True)
         if not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(
@@ -347,11 +356,26 @@ class Conversion:
         decided = {layer.path: self._decide(layer, head) for layer in candidates}
         converted = [path for path, reason in decided.items() if reason is None]
         self._check_matches(self.keep, converted, "keep", "converted layer", raises=True)
+        self._check_recipe_patterns(converted)
         blocks = last_blocks(converted, self.keep_last)
         return ConversionReport(
             self._plan_of(layer, decided.get(layer.path, _NOT_A_CANDIDATE), blocks)
             for layer in layers
         )
+
+    def _check_recipe_patterns(self, converted: list[str]) -> None:
+        """With a per-layer mapping: every pattern matches a converted layer, and every
+        converted layer a pattern (both raise, naming them)."""
+        if not isinstance(self.recipe, tuple):
+            return
+        patterns = [p for p, _ in self.recipe]
+        self._check_matches(patterns, converted, "recipe", "converted layer", raises=True)
+        unmatched = [path for path in converted if matching(path, patterns) is None]
+        if unmatched:
+            raise ValueError(
+                f"{self.caller}: converted layer(s) {unmatched} match no pattern of the recipe "
+                f"mapping {patterns}; add them, a '*' entry for the others, or exclude them"
+            )
 
     def _check_options(self, layers: Sequence[Layer], candidates: Sequence[Layer]) -> None:
         paths = [layer.path for layer in candidates]
@@ -416,6 +440,10 @@ class Conversion:
         kept = self._kept(layer, blocks)
         if kept is not None:
             return plan(recipe=self.keep_recipe, converted=True, reason=kept)
+        if isinstance(self.recipe, tuple):
+            pat = matching(layer.path, [p for p, _ in self.recipe])
+            recipe = dict(self.recipe)[pat]
+            return plan(recipe=recipe, converted=True, reason=f"converted: recipe pattern {pat!r}")
         return plan(recipe=self.recipe, converted=True, reason="converted")
 
     def _kept(self, layer: Layer, blocks: frozenset) -> str | None:
@@ -429,6 +457,22 @@ class Conversion:
         if block in blocks:
             return f"kept: one of the last {self.keep_last} blocks of {block[0]!r}"
         return None
+
+
+def _recipes(recipe, caller: str):
+    """``recipe`` checked: a Recipe, ``None``, or a mapping ``{pattern: Recipe or None}`` as a
+    tuple of pairs (a TypeError / ValueError otherwise)."""
+    if isinstance(recipe, Mapping):
+        recipe = tuple(recipe.items())
+    if not isinstance(recipe, tuple):
+        return check_recipe(recipe, caller, optional=True)
+    if not recipe:
+        raise ValueError(f"{caller}: the recipe mapping is empty; give {{pattern: Recipe}}")
+    for pattern, value in recipe:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{caller}: recipe mapping keys must be path patterns, got {pattern!r}")
+        check_recipe(value, caller, name=f"recipe[{pattern!r}]", optional=True)
+    return recipe
 
 
 def dot_general_cls_refusal(path: str) -> ValueError:

@@ -68,10 +68,11 @@ REQUIREMENTS: dict[str, Requirement] = {
     ),
     "fp8": Requirement(what="per-tensor FP8", min_capability=(8, 9), min_cublaslt=110800),
 }
-"""The native GEMMs (the keys are :attr:`jaxmx.Format.gemm` families, and ``"fp8"`` for
-:func:`jaxmx.ffi.fp8_matmul`) and what each needs: MXFP8 and FP4 block scaling (``VEC32_UE8M0``,
-``VEC16_UE4M3``) from cuBLASLt 12.8 on compute capability >= 10.0; block FP8 (``VEC128_32F``,
-``BLK128x128_32F``) from cuBLASLt 12.9 on 9.x; per-tensor FP8 on >= 8.9."""
+"""The native GEMMs (the keys are :attr:`jaxmx.Format.gemm` families; ``"fp8"`` is
+:func:`jaxmx.ffi.fp8_matmul`, the GEMM of the per-tensor and per-row FP8 formats) and what each
+needs: MXFP8 and FP4 block scaling (``VEC32_UE8M0``, ``VEC16_UE4M3``) from cuBLASLt 12.8 on
+compute capability >= 10.0; block FP8 (``VEC128_32F``, ``BLK128x128_32F``) from cuBLASLt 12.9 on
+9.x; per-tensor FP8 (``SCALAR_32F``) on >= 8.9."""
 
 NON_TN_MX_MAJOR = 10
 """The compute capability major whose MXFP8 kernels take non-TN layouts (8.9, 9.x and 12.x are

@@ -12,7 +12,9 @@ CUDA device (:mod:`~jaxmx._src.gemm.capabilities`), another for ``"cuda"``. The 
 - ``"dequantized"``: float32 dequantized operands (float32 scales, narrow tiles, unequal blocks,
   and grouped GEMMs, which have no native kernel yet);
 - ``"limited"``: the modelled limited-precision accumulator (``accum_bits``);
-- ``"native"``: the native custom call of the formats' family (``Format.gemm``);
+- ``"native"``: the native custom call of the formats' family (``Format.gemm``; the per-tensor
+  and per-row FP8 formats' family ``"fp8"`` is :func:`jaxmx.ffi.fp8_matmul`, compute capability
+  >= 8.9);
 - ``"native_pow2_twin"``: block FP8 with power-of-two scales, re-encoded as its MX twin, on the
   native MX GEMM (a device with the MX GEMM but not the block-FP8 one: Blackwell).
 - ``"xla"``: ``jax.lax.scaled_dot`` (XLA's block-scaled dot, ``backend="xla"`` only) on MX and
@@ -31,6 +33,9 @@ Example:
     {'default': 'dequantized', 'cuda': 'native_pow2_twin'}
     >>> kernels(Gemm(formats=("mxfp4", "mxfp4"), backend="xla"))
     {'default': 'xla'}
+    >>> hopper = Capabilities(compute_capability=(9, 0), cublaslt_version=120900)
+    >>> kernels(Gemm(formats=("fp8_e4m3_tensor", "fp8_e5m2_tensor")), hopper)
+    {'default': 'dequantized', 'cuda': 'native'}
 """
 
 from __future__ import annotations
@@ -107,7 +112,6 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, s
         check_accumulation(acc.bits, acc.promote_every, gemm.formats, backend, "jaxmx GEMM")
         return {"default": "limited"}
     if backend == "ffi":
-        _check_native_route(gemm.formats)
         _check_native_formats(gemm.formats)
         return {"default": "native"}
     if backend == "xla":
@@ -131,8 +135,8 @@ def _check_native_formats(formats: tuple[str, str]) -> None:
 
 
 def native_family(formats: tuple[str, ...]) -> str | None:
-    """The native GEMM family (``Format.gemm``: ``"mx"``, ``"block_fp8"``, ``"fp4"``) that
-    takes operands of these formats, or None: formats of no native GEMM or of two families, two
+    """The native GEMM family (``Format.gemm``: ``"mx"``, ``"block_fp8"``, ``"fp4"``, ``"fp8"``)
+    that takes operands of these formats, or None: formats of no native GEMM or of two families, two
     scale kinds (MXFP4 with NVFP4: cuBLASLt scales both operands with one mode), or E5M2 x E5M2
     (cuBLASLt's FP8 type table has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3 only).
 
@@ -148,20 +152,9 @@ def native_family(formats: tuple[str, ...]) -> str | None:
     return fs[0].gemm
 
 
-def _check_native_route(formats: tuple[str, ...]) -> None:
-    """A NotImplementedError for formats with one scale per tensor or row and no native family
-    (``Format.gemm``): the native GEMM has no route for them yet."""
-    fs = [get_format(f) for f in formats]
-    unrouted = [f.name for f in fs if f.span != "block" and f.gemm is None]
-    if unrouted and native_family(formats) is None:
-        raise NotImplementedError(
-            f"jaxmx GEMM, backend='ffi': no native GEMM takes {' x '.join(formats)} yet "
-            f"({unrouted[0]}: one scale per tensor or row); use backend='emulate' or 'auto'"
-        )
-
-
 def native_pair(formats: tuple[str, ...]) -> bool:
-    """Whether a native GEMM (MX, block FP8 or FP4) takes operands of these formats."""
+    """Whether a native GEMM (MX, block FP8, FP4 or per-tensor FP8) takes operands of these
+    formats."""
     return native_family(formats) is not None
 
 

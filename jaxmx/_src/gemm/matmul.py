@@ -50,10 +50,12 @@ def matmul(
         b: [..., N, K] or [..., K, N] likewise, with the same leading (batch) shape as ``a``.
         out_dtype: bfloat16 (default), float16 or float32: the dtype of the result [..., M, N].
         backend: ``"auto"`` (default: per lowering platform, cuBLASLt on CUDA where it runs the
-            operands' format family natively (MXFP8, FP4 or block FP8), else the emulation),
+            operands' format family natively (MXFP8, FP4, block FP8, or per-tensor / per-row
+            FP8 from compute capability 8.9), else the emulation),
             ``"emulate"`` (any device) or ``"ffi"`` (the native custom call:
-            :func:`jaxmx.ffi.mx_matmul`, :func:`jaxmx.ffi.block_fp8_matmul` or
-            :func:`jaxmx.ffi.fp4_matmul`) or ``"xla"`` (``jax.lax.scaled_dot``: MX formats and
+            :func:`jaxmx.ffi.mx_matmul`, :func:`jaxmx.ffi.block_fp8_matmul`,
+            :func:`jaxmx.ffi.fp4_matmul`, or :func:`jaxmx.ffi.fp8_matmul` for the per-tensor
+            and per-row FP8 formats) or ``"xla"`` (``jax.lax.scaled_dot``: MX formats and
             NVFP4; block FP8 is refused here, its float32 scales not known to be powers of two).
         accum_bits, promote_every: a modelled limited-precision accumulator (the emulation only,
             as :attr:`jaxmx.Recipe.accum_bits`); ``None``: float32 accumulation.
@@ -93,11 +95,15 @@ def run(chosen: dict[str, str], a, b, out_dtype, accumulation: Accumulation | No
     return lax.platform_dependent(a, b, **branches)
 
 
-def _native(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
+def _native(a: MXArray, b: MXArray, out_dtype, fast_accum: bool = False) -> jax.Array:
     """The native GEMM of the operands' family (the first family among them, in this order, so
-    that a mixed pair gets that GEMM's error naming the operand at fault)."""
+    that a mixed pair gets that GEMM's error naming the operand at fault). ``fast_accum``:
+    cuBLASLt's FP8 fast accumulation for the per-tensor / per-row FP8 family, the one whose
+    GEMM takes it (the block-scaled GEMMs have no such option, and are not asked)."""
     families = {a.format.gemm, b.format.gemm}
-    family = next((f for f in ("block_fp8", "fp4") if f in families), "mx")
+    family = next((f for f in ("fp8", "block_fp8", "fp4") if f in families), "mx")
+    if family == "fp8":
+        return native.current_fp8_matmul(a, b, out_dtype, fast_accum=fast_accum)
     if family == "block_fp8":
         return native.block_fp8_matmul(native.tn_form(a), native.tn_form(b), out_dtype)
     if family == "fp4":
@@ -117,6 +123,14 @@ KERNELS = {
 }
 """Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
 accumulation) -> out``."""
+
+FORWARD_KERNELS = {
+    **KERNELS,
+    "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype, fast_accum=True),
+}
+""":data:`KERNELS` for a training GEMM's forward GEMM: the per-tensor / per-row FP8 family's
+native GEMM with cuBLASLt's fast accumulation, as TransformerEngine runs its forward FP8 GEMMs
+(its dgrad and wgrad GEMMs keep the split accumulator, as :data:`KERNELS` does)."""
 
 
 def _check_operands(a: MXArray, b: MXArray) -> None:

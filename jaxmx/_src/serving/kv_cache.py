@@ -361,13 +361,21 @@ def _tensor_scale(f: Format) -> jax.Array | None:
 
 
 def checked_format(fmt) -> Format:
-    """The :class:`Format` a cache holds, by name (a ValueError naming the formats otherwise)."""
+    """The :class:`Format` a cache holds, by name: a block-scaled one (a ValueError naming the
+    formats otherwise)."""
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(
             f"KVCache.create: unknown fmt {fmt!r}; the cache holds one of jaxmx's formats: "
             f"{sorted(FORMATS)}"
         )
-    return FORMATS[fmt]
+    f = FORMATS[fmt]
+    if f.span != "block":
+        raise ValueError(
+            f"KVCache.create: fmt {fmt!r} has one scale per {f.span}, which tokens written a "
+            "step at a time cannot share; the cache takes a block-scaled format: "
+            f"{sorted(name for name, g in FORMATS.items() if g.span == 'block')}"
+        )
+    return f
 
 
 def _check_positive_int(n, name: str) -> None:

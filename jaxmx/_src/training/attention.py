@@ -27,6 +27,9 @@ from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.training.einsum import einsum
 from jaxmx._src.training.scope import named
 
+PRODUCTS = ("qk", "pv")
+"""The names of the two products (:func:`jaxmx.diagnostics.named`), under the caller's name."""
+
 
 def dot_product_attention(
     query: jax.Array,
@@ -68,7 +71,7 @@ def dot_product_attention(
     g = n // k
     scale = 1.0 / math.sqrt(h) if scale is None else scale
     grouped = query.reshape(b, t, k, g, h)
-    with named("qk"):
+    with named(PRODUCTS[0]):
         logits = einsum(
             "btkgh,bskh->bkgts", grouped, key, recipe=recipe, preferred_element_type=jnp.float32
         )
@@ -79,7 +82,7 @@ def dot_product_attention(
     if keep is not None:
         logits = jnp.where(keep, logits, jnp.float32(-0.7) * jnp.finfo(jnp.float32).max)
     probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    with named("pv"):
+    with named(PRODUCTS[1]):
         out = einsum("bkgts,bskh->btkgh", probs, value, recipe=recipe)
     return out.reshape(b, t, n, h).astype(query.dtype)
 

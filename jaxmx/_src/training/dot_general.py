@@ -57,7 +57,7 @@ from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.matmul import KERNELS
+from jaxmx._src.gemm.matmul import FORWARD_KERNELS, KERNELS
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
@@ -375,7 +375,7 @@ def _fprop(static: _Static, x, w):
         along_k = _weight_axes(static)[0]
         rhs = w if isinstance(w, MXArray) else _Operand(w, r.fwd, along_k)
         lhs = x if isinstance(x, MXArray) else _Operand(x, r.fwd, -1)
-        return _gemm(r, lhs, rhs, static.out_dtype)
+        return _gemm(r, lhs, rhs, static.out_dtype, forward=True)
 
     y = opaque(gemm, x, w).reshape(static.out_shape)
     return presented_as_dot(y, static.n_batch)
@@ -508,7 +508,9 @@ class _Operand(NamedTuple):
     key: jax.Array | None = None
 
 
-def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) -> jax.Array:
+def _gemm(
+    r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype, forward: bool = False
+) -> jax.Array:
     """The GEMM of two operands, each an MXArray (a residual, a tiled weight) or an
     :class:`_Operand`, on the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses.
 
@@ -517,6 +519,10 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
     (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`): it is quantized only to be decoded
     again, and skipping the codes gives the same result, bit for bit, in less time. Every other
     kernel takes MXArrays.
+
+    ``forward``: the forward GEMM, whose native per-tensor / per-row FP8 GEMM runs with
+    cuBLASLt's fast accumulation (:data:`~jaxmx._src.gemm.matmul.FORWARD_KERNELS`, as
+    TransformerEngine does); the dgrad and wgrad GEMMs keep the split accumulator.
     """
     chosen = kernels(
         Gemm(
@@ -538,7 +544,7 @@ def _gemm(r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype) ->
                 q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=to_values
             )
 
-        run = KERNELS[kernel]
+        run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
     if len(chosen) == 1:

@@ -1,0 +1,699 @@
+"""The granularity advisor: which scaling granularity a tensor (or each GEMM leg of a training
+step) needs, measured by quantizing it at every level of a ladder, coarsest first.
+
+The ladder (:data:`LEVELS`) and what each level quantizes with:
+
+- ``"tensor"``: one float32 scale for the whole tensor (``fp8_*_tensor``: current scaling,
+  torchao's tensorwise; 8-bit only);
+- ``"row"``: one float32 scale per row along ``axis`` (``fp8_*_row``: torchao's axiswise; 8-bit
+  only);
+- ``"128x128"``: float32 scales per 128x128 tile of the last two axes (``fp8_*_block`` with
+  ``tile=(128, 128)``; arrays of rank >= 2, leading axes as batch);
+- ``"1x128"``: float32 scales per 128 elements along ``axis`` (``fp8_*_block``);
+- ``"mx32"``: E8M0 scales per 32 elements (``mxfp8_*`` / ``mxfp4``, ``rceil``);
+- ``"nvfp4_16"``: NVFP4's E4M3 scales per 16 elements and a tensor scale (4-bit only).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmx import diagnostics
+    >>> x = jax.random.normal(jax.random.key(0), (8, 256))
+    >>> rows = x * jnp.logspace(0, 7, 8)[:, None]  # rows 10^7 apart: one scale cannot hold them
+    >>> diagnostics.granularity(x).recommendation.level
+    'tensor'
+    >>> diagnostics.granularity(rows, underflow_budget=0.01).recommendation.level
+    'row'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmx._src.core.checks import normalize_axis
+from jaxmx._src.core.dtypes import as_float_array
+from jaxmx._src.core.formats import Format, get_format
+from jaxmx._src.core.recipes import (
+    DEEPSEEK_FP8,
+    FP8_ROWWISE,
+    FP8_TENSORWISE,
+    MXFP8,
+    NVFP4,
+    Recipe,
+)
+from jaxmx._src.diagnostics.telemetry import LEGS
+from jaxmx._src.quantize.codec import decode_elements
+from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.training.attention import PRODUCTS as ATTENTION_PRODUCTS
+from jaxmx._src.training.scope import Leg, Tap, observing
+
+LEVELS = ("tensor", "row", "128x128", "1x128", "mx32", "nvfp4_16")
+"""The scaling granularities, coarsest first (the elements sharing one scale: the whole tensor,
+a row, a 128x128 tile, 128, 32, 16)."""
+
+ELEMENTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+"""The element formats :func:`granularity` measures (or any jaxmx format name of one)."""
+
+# element format -> {level: (jaxmx format, tile)}: the quantizer of each level it has
+_QUANTIZERS = {
+    "fp8_e4m3": {
+        "tensor": ("fp8_e4m3_tensor", None),
+        "row": ("fp8_e4m3_row", None),
+        "128x128": ("fp8_e4m3_block", (128, 128)),
+        "1x128": ("fp8_e4m3_block", None),
+        "mx32": ("mxfp8_e4m3", None),
+    },
+    "fp8_e5m2": {
+        "tensor": ("fp8_e5m2_tensor", None),
+        "row": ("fp8_e5m2_row", None),
+        "128x128": ("fp8_e5m2_block", (128, 128)),
+        "1x128": ("fp8_e5m2_block", None),
+        "mx32": ("mxfp8_e5m2", None),
+    },
+    "fp4_e2m1": {"mx32": ("mxfp4", None), "nvfp4_16": ("nvfp4", None)},
+}
+_TWIN = {"fp8_e4m3": "mxfp8_e4m3", "fp8_e5m2": "mxfp8_e5m2", "fp4_e2m1": "mxfp4"}
+_ELEMENT_OF_DTYPE = {
+    np.dtype(jnp.float8_e4m3fn): "fp8_e4m3",
+    np.dtype(jnp.float8_e5m2): "fp8_e5m2",
+    np.dtype(jnp.float4_e2m1fn): "fp4_e2m1",
+}
+_GROUP = {"1x128": 128, "mx32": 32, "nvfp4_16": 16}  # elements per block along the axis
+_TILE = 128
+
+LEVEL_RECIPES: dict[str, Recipe] = {
+    "tensor": FP8_TENSORWISE,
+    "row": FP8_ROWWISE,
+    "128x128": DEEPSEEK_FP8,  # activations and gradients 1x128, weights 128x128 tiles
+    "1x128": DEEPSEEK_FP8.replace(weight_tile=None),  # every operand in 1x128 blocks
+    "mx32": MXFP8,
+    "nvfp4_16": NVFP4,
+}
+"""The recipe of each level, the default of :func:`advised_recipes` (a level missing from a
+dict passed instead raises). ``FP8_TENSORWISE`` takes E5M2 gradients and ``FP8_ROWWISE``
+power-of-two row scales, where the ``"tensor"`` / ``"row"`` levels measure ``fmt`` with float32
+scales."""
+
+
+class LevelStats(NamedTuple):
+    """What one scaling level does to a tensor (float32 scalars).
+
+    Attributes:
+        underflow: the fraction of non-zero elements whose quantized code is below the element
+            format's smallest normal (a subnormal, or zero): they keep fewer mantissa bits.
+        flushed: the fraction of non-zero elements whose code is zero.
+        saturated: the fraction of non-zero elements clipped at the format's largest value
+            (beyond its rounding interval).
+        sqnr_db: ``10 log10(sum x^2 / sum (x - dequantized)^2)`` over the tensor (``inf``:
+            exact).
+        span_p50, span_p90, span_p99, span_max: quantiles of the groups' span ratio
+            ``amax_g / std_g`` (population std; as :class:`jaxmx.diagnostics.BlockStats`), one
+            group per scale of the level; ``span_pq`` is the smallest span with at least q% of
+            the groups at or below it.
+        span_above_2_10, span_above_limit: the fraction of groups whose span ratio exceeds
+            ``2^10`` and the format's span (``elem_max`` over its smallest normal).
+        groups: the number of groups (scales).
+    """
+
+    underflow: jax.Array
+    flushed: jax.Array
+    saturated: jax.Array
+    sqnr_db: jax.Array
+    span_p50: jax.Array
+    span_p90: jax.Array
+    span_p99: jax.Array
+    span_max: jax.Array
+    span_above_2_10: jax.Array
+    span_above_limit: jax.Array
+    groups: jax.Array
+
+
+class Recommendation(NamedTuple):
+    """The coarsest level that keeps underflow within the budget, and why (text)."""
+
+    level: str
+    reason: str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Granularity:
+    """:func:`granularity`'s result: :class:`LevelStats` for each measured level.
+
+    A pytree (the statistics are its leaves), so it leaves a ``jax.jit``; read
+    :attr:`recommendation`, :meth:`recommend` and :meth:`table` outside it.
+
+    Attributes:
+        stats: the :class:`LevelStats` of each of ``names`` (:attr:`levels` pairs them).
+        names: the levels measured, in ladder order (coarsest first).
+        element: the element format measured (``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"fp4_e2m1"``).
+        span_limit: the element format's span, ``elem_max / 2^emin`` (28672 for E4M3).
+        underflow_budget: the budget :attr:`recommendation` applies.
+    """
+
+    stats: tuple[LevelStats, ...]
+    names: tuple[str, ...] = dataclasses.field(metadata=dict(static=True))
+    element: str = dataclasses.field(metadata=dict(static=True))
+    span_limit: float = dataclasses.field(metadata=dict(static=True))
+    underflow_budget: float = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def levels(self) -> dict[str, LevelStats]:
+        """``{level: LevelStats}`` in ladder order."""
+        return dict(zip(self.names, self.stats, strict=True))
+
+    @property
+    def recommendation(self) -> Recommendation:
+        """:meth:`recommend` under :attr:`underflow_budget`."""
+        return self.recommend(self.underflow_budget)
+
+    def recommend(self, underflow_budget: float) -> Recommendation:
+        """The coarsest measured level whose underflow fraction is at most ``underflow_budget``;
+        if none is, the finest level, with the advice to spread the outliers (a Hadamard
+        transform, ``Recipe(rht=True)``) or use finer blocks. The reason also reads the span
+        rule: most groups below ``2^10``, per-tensor scaling may do; a tail above the span
+        limit needs blocks; every group above it, finer blocks or a Hadamard transform."""
+        _check_budget(underflow_budget)
+        stats = {level: jax.tree.map(float, s) for level, s in self.levels.items()}
+        for level, s in stats.items():
+            if s.underflow <= underflow_budget:
+                return Recommendation(
+                    level,
+                    f"{level}: underflow {_pct(s.underflow)} <= budget {_pct(underflow_budget)}"
+                    f"; {_span_reading(s, self.span_limit)}",
+                )
+        level, s = list(stats.items())[-1]
+        return Recommendation(
+            level,
+            f"no level keeps underflow within {_pct(underflow_budget)}; the finest, {level}, "
+            f"underflows {_pct(s.underflow)} ({_span_reading(s, self.span_limit)}): apply a "
+            "Hadamard transform (Recipe(rht=True)) or finer blocks",
+        )
+
+    def table(self) -> str:
+        """The statistics as a text table, one row per level, and the recommendation."""
+        header = ("level", "groups", "underflow", "flushed", "saturated", "SQNR dB", "log2 span")
+        rows = [header]
+        for level, s in self.levels.items():
+            s = jax.tree.map(float, s)
+            spans = "/".join(_log2(v) for v in (s.span_p50, s.span_p99, s.span_max))
+            rows.append(
+                (
+                    level,
+                    str(int(s.groups)),
+                    _pct(s.underflow),
+                    _pct(s.flushed),
+                    _pct(s.saturated),
+                    f"{s.sqnr_db:.1f}",
+                    spans,
+                )
+            )
+        rec = self.recommendation
+        return "\n".join(
+            [
+                f"{self.element} (span limit 2^{math.log2(self.span_limit):.1f}); log2 span: "
+                "p50/p99/max over groups",
+                _columns(rows),
+                f"recommendation: {rec.level} ({rec.reason})",
+            ]
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def granularity(
+    x: jax.Array,
+    *,
+    fmt: str | Format = "fp8_e4m3",
+    axis: int = -1,
+    levels: tuple[str, ...] | None = None,
+    underflow_budget: float = 1e-3,
+) -> Granularity:
+    """Quantizes ``x`` at each scaling level and measures what each does (see the module
+    docstring for the ladder and :class:`LevelStats` for the statistics). Jittable (no host
+    callbacks); non-finite inputs give NaN statistics.
+
+    Args:
+        x: a float32, bfloat16 or float16 array of rank >= 1.
+        fmt: the element format: ``"fp8_e4m3"`` (default), ``"fp8_e5m2"``, ``"fp4_e2m1"``, or a
+            jaxmx format (name or :class:`jaxmx.Format`) of one of them.
+        axis: the axis the rows and blocks run along (a GEMM's reduction axis).
+        levels: the levels to measure, a subset of :data:`LEVELS`; ``None``: every level the
+            format has (E4M3 / E5M2: all but ``"nvfp4_16"``; E2M1: ``"tensor"``, ``"row"``,
+            ``"mx32"``, ``"nvfp4_16"``), without ``"128x128"`` for a 1-D ``x``.
+        underflow_budget: the largest underflow fraction :attr:`Granularity.recommendation`
+            accepts, in [0, 1].
+
+    Raises:
+        ValueError: an unknown format or level, a level the format has not, ``"128x128"`` for a
+            1-D ``x``, a budget outside [0, 1].
+
+    Example:
+        >>> import jax
+        >>> g = granularity(jax.random.normal(jax.random.key(0), (4, 128)), levels=("tensor",))
+        >>> float(g.levels["tensor"].flushed), g.recommendation.level
+        (0.0, 'tensor')
+    """
+    element = element_of(fmt)
+    x = as_float_array(x, "granularity: x")
+    if x.ndim == 0:
+        raise ValueError("granularity expects an array of rank >= 1, got a scalar")
+    levels = _checked_levels(levels, element, x.ndim)
+    _check_budget(underflow_budget)
+    axis = normalize_axis(axis, x.ndim)
+    return Granularity(
+        stats=_measure(x, element=element, axis=axis, levels=levels),
+        names=levels,
+        element=element,
+        span_limit=_span_limit(element),
+        underflow_budget=float(underflow_budget),
+    )
+
+
+def element_of(fmt: str | Format) -> str:
+    """The element format name of ``fmt`` (:data:`ELEMENTS`, or a jaxmx format of one)."""
+    if isinstance(fmt, str) and fmt in ELEMENTS:
+        return fmt
+    try:
+        f = get_format(fmt)
+    except ValueError:
+        raise ValueError(
+            f"granularity: unknown fmt {fmt!r}; expected an element format {ELEMENTS} or a jaxmx "
+            "format of one (mxfp8_e4m3, fp8_e4m3_block, nvfp4, ...)"
+        ) from None
+    return _ELEMENT_OF_DTYPE[np.dtype(f.dtype)]
+
+
+def available_levels(element: str, ndim: int = 2) -> tuple[str, ...]:
+    """The levels :func:`granularity` measures by default for ``element`` and rank ``ndim``."""
+    have = _QUANTIZERS[element]
+    return tuple(lv for lv in LEVELS if lv in have and (lv != "128x128" or ndim >= 2))
+
+
+def _checked_levels(levels, element: str, ndim: int) -> tuple[str, ...]:
+    if levels is None:
+        return available_levels(element, ndim)
+    levels = (levels,) if isinstance(levels, str) else tuple(levels)
+    unknown = [lv for lv in levels if lv not in LEVELS]
+    if unknown or not levels:
+        raise ValueError(f"granularity: unknown level(s) {unknown}; expected some of {LEVELS}")
+    missing = [lv for lv in levels if lv not in available_levels(element, 2)]
+    if missing:
+        raise ValueError(
+            f"granularity: {element} has no level {missing}; its levels are "
+            f"{available_levels(element, 2)}"
+        )
+    if "128x128" in levels and ndim < 2:
+        raise ValueError(
+            "granularity: level '128x128' tiles the last two axes, so x needs rank >= 2, got a "
+            "1-D array"
+        )
+    return tuple(lv for lv in LEVELS if lv in levels)  # ladder order
+
+
+def _check_budget(budget) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ValueError(f"granularity: underflow_budget must be in [0, 1], got {budget!r}")
+
+
+def _span_limit(element: str) -> float:
+    f = get_format(_TWIN[element])
+    return f.elem_max / 2.0**f.emin
+
+
+@functools.partial(jax.jit, static_argnames=("element", "axis", "levels"))
+def _measure(x, *, element: str, axis: int, levels: tuple[str, ...]) -> tuple[LevelStats, ...]:
+    """The :class:`LevelStats` of each level, ``x``'s ``axis`` moved last."""
+    x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    f = get_format(_TWIN[element])
+    out = []
+    for level in levels:
+        name, tile = _QUANTIZERS[element][level]
+        q = quantize(x, name, tile=tile)
+        codes = decode_elements(q.data, get_format(name))[tuple(slice(0, n) for n in x.shape)]
+        xhat = dequantize(q, jnp.float32)
+        values, valid = _groups(x, level)
+        out.append(_level_stats(x, codes, xhat, _spans(values, valid), f))
+    return tuple(out)
+
+
+def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
+    """``x`` as ``[groups, size]`` (one group per scale of ``level``) and the mask of its real
+    elements (zero padding of partial blocks and tiles is not)."""
+    if level == "tensor":
+        return x.reshape(1, -1), jnp.ones((1, x.size), bool)
+    if level == "row":
+        return x.reshape(-1, x.shape[-1]), jnp.ones((x.size // x.shape[-1], x.shape[-1]), bool)
+    valid = jnp.ones(x.shape, bool)
+    if level == "128x128":
+        pad = [(0, 0)] * (x.ndim - 2) + [(0, -n % _TILE) for n in x.shape[-2:]]
+        x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
+
+        def tiles(a):
+            a = a.reshape(-1, a.shape[-2] // _TILE, _TILE, a.shape[-1] // _TILE, _TILE)
+            return a.transpose(0, 1, 3, 2, 4).reshape(-1, _TILE * _TILE)
+
+        return tiles(x), tiles(valid)
+    block = _GROUP[level]
+    pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % block)]
+    x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
+    return x.reshape(-1, block), valid.reshape(-1, block)
+
+
+def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
+    """Each group's ``amax / std`` (population std of its real elements): ``inf`` where the std
+    is 0 and ``amax > 0``, 0 for an all-zero group."""
+    count = jnp.sum(valid, axis=1)
+    amax = jnp.max(jnp.where(valid, jnp.abs(values), 0.0), axis=1)
+    mean = jnp.sum(jnp.where(valid, values, 0.0), axis=1) / count
+    var = jnp.sum(jnp.where(valid, (values - mean[:, None]) ** 2, 0.0), axis=1) / count
+    std = jnp.sqrt(var)
+    return jnp.where(amax == 0, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
+
+
+def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
+    nonzero = x != 0
+    n = jnp.maximum(jnp.sum(nonzero), 1)
+
+    def fraction(condition):
+        return (jnp.sum(nonzero & condition) / n).astype(jnp.float32)
+
+    half_ulp = 2.0 ** (f.emax - f.mbits - 1)  # at elem_max: beyond it, rounding would go higher
+    clipped = (jnp.abs(codes) == f.elem_max) & (
+        jnp.abs(x) * f.elem_max > jnp.abs(xhat) * (f.elem_max + half_ulp)
+    )
+    noise = jnp.sum((x - xhat) ** 2)
+    sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(jnp.sum(x**2) / noise))
+
+    ordered = jnp.sort(spans)
+
+    def quantile(q):  # the smallest span with at least q% of the groups at or below it
+        return ordered[max(math.ceil(q / 100 * spans.size) - 1, 0)].astype(jnp.float32)
+
+    return LevelStats(
+        underflow=fraction(jnp.abs(codes) < 2.0**f.emin),
+        flushed=fraction(codes == 0),
+        saturated=fraction(clipped),
+        sqnr_db=sqnr.astype(jnp.float32),
+        span_p50=quantile(50),
+        span_p90=quantile(90),
+        span_p99=quantile(99),
+        span_max=jnp.max(spans).astype(jnp.float32),
+        span_above_2_10=jnp.mean(spans > 2.0**10).astype(jnp.float32),
+        span_above_limit=jnp.mean(spans > f.elem_max / 2.0**f.emin).astype(jnp.float32),
+        groups=jnp.float32(spans.size),
+    )
+
+
+def _pct(v: float) -> str:
+    return f"{100 * v:.3g}%"
+
+
+def _log2(v: float) -> str:
+    if v == 0:
+        return "-inf"
+    return "inf" if math.isinf(v) else f"{math.log2(v):.1f}"
+
+
+def _span_reading(s: LevelStats, limit: float) -> str:
+    """The span rule's reading of one level's groups."""
+    if s.span_above_limit >= 1:
+        return "every group's span ratio is above the format's span"
+    if s.span_above_limit > 0:
+        return f"{_pct(s.span_above_limit)} of groups above the format's span: needs blocks"
+    if s.span_above_2_10 < 0.5:
+        return f"span ratio p50 2^{_log2(s.span_p50)} < 2^10: per-tensor scaling may do"
+    return f"span ratio p50 2^{_log2(s.span_p50)}, below the span 2^{math.log2(limit):.1f}"
+
+
+def _columns(rows) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+# --- in training: every GEMM leg of one step ------------------------------------------------
+
+
+def _leg_levels(levels: tuple[str, ...], leg: str) -> tuple[str, ...]:
+    """The levels measured on a leg: ``"128x128"`` tiles for the weight (``rhs``) only."""
+    return levels if leg == "rhs" else tuple(lv for lv in levels if lv != "128x128")
+
+
+def _leg_stats(leg: Leg, element: str, levels: tuple[str, ...], name: str):
+    x = jax.lax.stop_gradient(leg.x).astype(jnp.float32)
+    axis = normalize_axis(leg.axis, x.ndim)
+    return _measure(x, element=element, axis=axis, levels=_leg_levels(levels, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GradientLegs:
+    """A GEMM's backward hook (hashable): the stats of the output gradient's two copies."""
+
+    element: str
+    levels: tuple[str, ...]
+
+    def __call__(self, dgrad: Leg, wgrad: Leg) -> dict[str, tuple[LevelStats, ...]]:
+        return {
+            "dgrad": _leg_stats(dgrad, self.element, self.levels, "dgrad"),
+            "wgrad": _leg_stats(wgrad, self.element, self.levels, "wgrad"),
+        }
+
+
+class _Advisor:
+    """The observer of :func:`advise`: each GEMM's forward legs measured at trace time, its
+    backward legs through its tap (see :mod:`jaxmx._src.training.scope`)."""
+
+    def __init__(self, taps: dict | None, element: str, levels: tuple[str, ...]):
+        self.taps, self.element, self.levels = taps, element, levels
+        self.forward: dict[str, dict[str, tuple[LevelStats, ...]]] = {}
+        self._trace = jax.extend.core.get_opaque_trace_state()
+
+    def forward_legs(self, name: str, recipe: Recipe, lhs: Leg, rhs: Leg) -> Tap | None:
+        if jax.extend.core.get_opaque_trace_state() != self._trace:
+            raise ValueError(
+                "jaxmx.diagnostics.advise: a GEMM ran inside a transformation (jax.checkpoint, "
+                "scan, vmap, jit, ...) nested in the step, whose values cannot leave it; call "
+                "advise on a step without it"
+            )
+        name = next(
+            c
+            for c in [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 2)]
+            if c not in self.forward
+        )
+        self.forward[name] = {
+            "lhs": _leg_stats(lhs, self.element, self.levels, "lhs"),
+            "rhs": _leg_stats(rhs, self.element, self.levels, "rhs"),
+        }
+        if self.taps is None:
+            return None
+        return Tap(self.taps[name], _GradientLegs(self.element, self.levels))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerAdvice:
+    """One GEMM's advice: each leg's :class:`Granularity` and the level the GEMM needs.
+
+    Attributes:
+        name: the GEMM's name (the Flax layer's module path).
+        legs: ``{leg: Granularity}`` for ``"lhs"``, ``"rhs"`` (the weight) and, when the step
+            took a gradient through the GEMM, ``"dgrad"`` and ``"wgrad"``.
+        level: the finest of the legs' recommended levels: the coarsest scaling every leg takes.
+        reason: which leg decides, and why.
+    """
+
+    name: str
+    legs: dict[str, Granularity]
+    level: str
+    reason: str
+
+
+class Advice(Mapping):
+    """:func:`advise`'s result: ``{GEMM name: LayerAdvice}`` in call order; ``str()`` is a
+    table (per leg, the level it takes and its underflow there) and :meth:`recipes` the
+    per-layer recipe mapping for ``quantize_model``."""
+
+    def __init__(self, layers: dict[str, LayerAdvice], *, underflow_budget: float, loss: float):
+        self._layers, self.underflow_budget, self.loss = layers, underflow_budget, loss
+
+    def __getitem__(self, name: str) -> LayerAdvice:
+        return self._layers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def recipes(self, level_recipes: Mapping[str, Recipe] = LEVEL_RECIPES) -> dict[str, Recipe]:
+        """:func:`advised_recipes` of this advice."""
+        return advised_recipes(self, level_recipes)
+
+    def table(self) -> str:
+        """One row per GEMM: each leg's level (its underflow there) and the GEMM's level."""
+        rows = [("layer", *LEGS, "needs")]
+        for name, layer in self._layers.items():
+            cells = []
+            for leg in LEGS:
+                g = layer.legs.get(leg)
+                if g is None:
+                    cells.append("-")
+                    continue
+                level = g.recommendation.level
+                cells.append(f"{level} ({_pct(float(g.levels[level].underflow))})")
+            rows.append((name, *cells, layer.level))
+        return (
+            f"underflow budget {_pct(self.underflow_budget)}; per leg: the coarsest level "
+            "within it (its underflow)\n" + _columns(rows)
+        )
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def advise(
+    fn: Callable,
+    *args,
+    fmt: str | Format = "fp8_e4m3",
+    levels: tuple[str, ...] | None = None,
+    underflow_budget: float = 1e-3,
+    **kwargs,
+) -> Advice:
+    """Measures every GEMM leg of one training step at every scaling level: the forward
+    operands (``lhs`` along K, ``rhs`` the weight along K) and the output gradient's copies
+    (``dgrad`` along N, ``wgrad`` along M), as :func:`granularity` does for one tensor.
+
+    ``fn(*args, **kwargs)`` computes a scalar loss with jaxmx GEMMs (:func:`jaxmx.dot_general`
+    and what is built on it: the layers of a model converted by ``quantize_model`` are named by
+    module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced twice (once
+    abstractly to find the GEMMs) and run once under ``jax.jit`` with the gradient taken, all
+    statistics computed in the program (no host callbacks). The GEMMs run in their own recipes;
+    the legs are measured in ``fmt`` whatever those are.
+
+    Args:
+        fn: the loss function; ``args`` and ``kwargs`` are closed over (arrays, Flax modules).
+        fmt: the element format measured (as for :func:`granularity`).
+        levels: the levels measured (as for :func:`granularity`; ``None``: all the format has).
+            ``"128x128"`` is measured on the weight (``rhs``) only: activations and gradients
+            are not tiled.
+        underflow_budget: the largest underflow fraction a level may leave, in [0, 1].
+
+    Returns:
+        an :class:`Advice` (its ``loss``: the step's loss).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxmx
+        >>> from jaxmx import diagnostics
+        >>> def loss(w, x):
+        ...     with diagnostics.named("proj"):
+        ...         return (jaxmx.dot_general(x, w, (((1,), (0,)), ((), ()))) ** 2).sum()
+        >>> x, w = jax.random.normal(jax.random.key(0), (2, 32, 64))
+        >>> advice = diagnostics.advise(loss, w.T, x, underflow_budget=0.01)
+        >>> advice["proj"].level, sorted(advice["proj"].legs)
+        ('tensor', ['dgrad', 'lhs', 'rhs', 'wgrad'])
+    """
+    element = element_of(fmt)
+    levels = _checked_levels(levels, element, 2)
+    if levels == ("128x128",):
+        raise ValueError(
+            "jaxmx.diagnostics.advise: levels=('128x128',) measures the weights only; add a level "
+            "for the activations and gradients"
+        )
+    _check_budget(underflow_budget)
+    observers: list[_Advisor] = []
+
+    def run(taps):
+        observers.append(_Advisor(taps, element, levels))
+        with observing(observers[-1]):
+            loss = fn(*args, **kwargs)
+        return loss, observers[-1].forward
+
+    jax.eval_shape(lambda: run(None))
+    names = list(observers[0].forward)
+    if not names:
+        raise ValueError("jaxmx.diagnostics.advise: the step ran no jaxmx GEMM; nothing to advise")
+    taps = {name: _zero_taps(levels) for name in names}
+    (loss, forward), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(taps)
+    forward, grads = jax.device_get((forward, grads))
+    return Advice(
+        {
+            name: _layer_advice(name, forward[name], grads[name], element, levels, underflow_budget)
+            for name in names
+        },
+        underflow_budget=float(underflow_budget),
+        loss=float(loss),
+    )
+
+
+def _zero_taps(levels: tuple[str, ...]) -> dict[str, tuple[LevelStats, ...]]:
+    """A GEMM's zero tap: the structure of its gradient legs' stats."""
+    zero = LevelStats(*[jnp.zeros((), jnp.float32)] * len(LevelStats._fields))
+    n = len(_leg_levels(levels, "dgrad"))
+    return {"dgrad": (zero,) * n, "wgrad": (zero,) * n}
+
+
+def _layer_advice(name, forward, gradients, element, levels, budget) -> LayerAdvice:
+    measured = {**forward, **gradients}
+    legs = {
+        leg: Granularity(
+            stats=tuple(measured[leg]),
+            names=_leg_levels(levels, leg),
+            element=element,
+            span_limit=_span_limit(element),
+            underflow_budget=float(budget),
+        )
+        for leg in LEGS
+        if leg in measured
+    }
+    decided = {leg: g.recommendation for leg, g in legs.items()}
+    leg = max(decided, key=lambda leg: LEVELS.index(decided[leg].level))
+    return LayerAdvice(
+        name=name, legs=legs, level=decided[leg].level, reason=f"{leg}: {decided[leg].reason}"
+    )
+
+
+def _layer_path(gemm_name: str) -> str:
+    """The path of the layer a GEMM name belongs to: without its call count (``#k``), and an
+    attention product's the attention layer's."""
+    path = gemm_name.split("#")[0]
+    parent, _, last = path.rpartition("/")
+    return parent if parent and last in ATTENTION_PRODUCTS else path
+
+
+def advised_recipes(
+    advice: Mapping[str, LayerAdvice], level_recipes: Mapping[str, Recipe] = LEVEL_RECIPES
+) -> dict[str, Recipe]:
+    """``{layer path: Recipe}`` for ``quantize_model(..., recipe=...)``: each GEMM's advised
+    level through ``level_recipes`` (a GEMM called more than once, ``name#1``, ..., takes the
+    finest of its calls' levels, and an attention layer the finer of its two products,
+    ``path/qk`` and ``path/pv``).
+
+    Raises:
+        ValueError: a layer's level has no recipe in ``level_recipes`` (it is named).
+
+    Example:
+        >>> layer = LayerAdvice(name="mlp/up", legs={}, level="mx32", reason="")
+        >>> advised_recipes({"mlp/up": layer}) == {"mlp/up": MXFP8}
+        True
+    """
+    levels: dict[str, str] = {}
+    for name, layer in advice.items():
+        path = _layer_path(name)
+        if path not in levels or LEVELS.index(layer.level) > LEVELS.index(levels[path]):
+            levels[path] = layer.level
+    missing = {path: level for path, level in levels.items() if level not in level_recipes}
+    if missing:
+        raise ValueError(
+            f"advised_recipes: no recipe for level(s) {sorted(set(missing.values()))} (layers "
+            f"{sorted(missing)}); level_recipes has {sorted(level_recipes)}: add them"
+        )
+    return {path: level_recipes[level] for path, level in levels.items()}

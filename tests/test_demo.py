@@ -104,6 +104,38 @@ def test_cli_flags_and_recipes():
     )
 
 
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("fp8_tensorwise", jaxmx.recipes.FP8_TENSORWISE),
+        ("fp8_rowwise", jaxmx.recipes.FP8_ROWWISE),
+        ("fp8_rowwise_gw_hp", jaxmx.recipes.FP8_ROWWISE_GW_HP),
+        ("mxfp6_e2m3", jaxmx.Recipe(fwd="mxfp6_e2m3", grad="mxfp6_e2m3")),
+        ("mxfp6_e3m2", jaxmx.Recipe(fwd="mxfp6_e3m2", grad="mxfp6_e3m2")),
+        ("mxint8", jaxmx.Recipe(fwd="mxint8", grad="mxint8")),
+    ],
+)
+def test_ladder_recipes_by_name(name, expected):
+    """The per-tensor / per-row FP8 presets and the MXFP6 / MXINT8 formats are demo recipes."""
+    assert parse_args(["--recipe", name]).recipe == name
+    assert get_recipe(name) == expected
+    assert get_recipe(name, "emulate") == expected.replace(backend="emulate")
+
+
+def test_demo_main_trains_a_tensorwise_fp8_run(tmp_path):
+    """``--recipe fp8_tensorwise`` end to end: both runs learn, the FP8 run is quantized."""
+    args = [*TINY, "--steps", "6", "--eval-every", "0", "--recipe", "fp8_tensorwise"]
+    assert main([*args, "--out", str(tmp_path)]) == 0
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert "fp8_e4m3_tensor" in history["recipe"]
+    bf16, fp8 = history["runs"]["bf16"], history["runs"]["fp8_tensorwise"]
+    for run in (bf16, fp8):
+        assert len(run["train_loss"]) == 6 and np.isfinite(run["val_loss"]).all()
+        assert run["train_loss"][-1] < run["train_loss"][0]
+    assert bf16["train_loss"][0] == fp8["train_loss"][0]  # zero-initialized output projections
+    assert bf16["train_loss"][1:] != fp8["train_loss"][1:]
+
+
 def test_help_describes_every_flag_and_its_default():
     parser = build_parser()
     text = " ".join(parser.format_help().split())

@@ -262,7 +262,25 @@ class _Progress:
             self.bar.close()
 
 
-RECIPES = ("mxfp8", "mxfp8_hybrid", "mxfp8_2d", "deepseek_fp8", "fp8_block_pow2", "nvfp4", "mxfp4")
+RECIPES = (
+    "mxfp8",
+    "mxfp8_hybrid",
+    "mxfp8_2d",
+    "deepseek_fp8",
+    "fp8_block_pow2",
+    "fp8_tensorwise",
+    "fp8_rowwise",
+    "fp8_rowwise_gw_hp",
+    "mxfp6_e2m3",
+    "mxfp6_e3m2",
+    "mxint8",
+    "nvfp4",
+    "mxfp4",
+)
+
+FORMAT_RECIPES = ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
+"""Demo recipes without a ``jaxmx.recipes`` preset: one format for every operand,
+``jaxmx.Recipe(fwd=name, grad=name)`` (rceil scales)."""
 
 KEEP_LAST = {"nvfp4": 1, "mxfp4": 1}
 """The default ``Config.keep_last`` of a demo recipe (0 if not listed): NVIDIA's NVFP4 recipe
@@ -270,11 +288,19 @@ keeps the last blocks in higher precision."""
 
 
 def get_recipe(name: str = "mxfp8", backend: str | None = None):
-    """The ``jaxmx.recipes`` preset of a demo name (``"mxfp8"`` -> ``MXFP8``), on ``backend`` if
-    given."""
+    """The recipe of a demo name, on ``backend`` if given: the ``jaxmx.recipes`` preset
+    (``"mxfp8"`` -> ``MXFP8``), or for a :data:`FORMAT_RECIPES` name that format everywhere.
+
+    Example:
+        >>> get_recipe("mxfp6_e2m3").fwd, get_recipe("mxfp6_e2m3").grad
+        ('mxfp6_e2m3', 'mxfp6_e2m3')
+    """
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; expected one of {RECIPES}")
-    recipe = getattr(jaxmx.recipes, name.upper())
+    if name in FORMAT_RECIPES:
+        recipe = jaxmx.Recipe(fwd=name, grad=name)
+    else:
+        recipe = getattr(jaxmx.recipes, name.upper())
     return recipe if backend is None else dataclasses.replace(recipe, backend=backend)
 
 

@@ -26,7 +26,6 @@ from jaxmx._src.flax.rules import (
     EMBEDDING,
     GEMM,
     REFUSED,
-    Conversion,
     ConversionReport,
     Layer,
     LayerPlan,
@@ -38,6 +37,7 @@ from jaxmx._src.flax.weights import (
     hook_refusal,
     kernel_sizes,
     stored_weight,
+    weights_conversion,
 )
 
 _FIELD = "jaxmx_weights"
@@ -131,12 +131,8 @@ def quantize_weights(
         ('MXArray', (2, 10))
     """
     storage = WeightStorage(fmt=fmt, tile=tile, activations=activations)
-    conversion = Conversion(
-        recipe=None,
-        include=include,
-        exclude=exclude,
-        exclude_defaults=exclude_defaults,
-        caller="quantize_weights",
+    conversion = weights_conversion(
+        include=include, exclude=exclude, exclude_defaults=exclude_defaults
     )
     if not isinstance(module, nn.Module):
         raise TypeError(f"quantize_weights: module must be a flax.linen Module, got {module!r}")

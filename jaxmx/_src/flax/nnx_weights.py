@@ -19,7 +19,6 @@ from jaxmx._src.flax.rules import (
     EMBEDDING,
     GEMM,
     REFUSED,
-    Conversion,
     ConversionReport,
     Layer,
     LayerPlan,
@@ -31,6 +30,7 @@ from jaxmx._src.flax.weights import (
     hook_refusal,
     kernel_sizes,
     stored_weight,
+    weights_conversion,
 )
 
 _EINSUM_NOTE = (
@@ -153,12 +153,8 @@ def quantize_weights(
         (2, 10)
     """
     storage = WeightStorage(fmt=fmt, tile=tile, activations=activations)
-    conversion = Conversion(
-        recipe=None,
-        include=include,
-        exclude=exclude,
-        exclude_defaults=exclude_defaults,
-        caller="quantize_weights",
+    conversion = weights_conversion(
+        include=include, exclude=exclude, exclude_defaults=exclude_defaults
     )
     found = [
         (path, module, _layer("/".join(str(p) for p in path), module))

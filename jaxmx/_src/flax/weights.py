@@ -34,6 +34,7 @@ from jax import lax
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.flax.rules import Conversion, Rule
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.quantize import dequantize, quantize
 
@@ -172,4 +173,16 @@ def hook_refusal(layer) -> str | None:
     return (
         "not converted: the layer sets its own dot_general / dot_general_cls, which its stored "
         "weight's GEMM would bypass; exclude it or drop the hook"
+    )
+
+
+def weights_conversion(*, include: Rule, exclude: Rule, exclude_defaults: bool) -> Conversion:
+    """The layer rules of ``quantize_weights`` (both Flax APIs): ``quantize_model``'s patterns
+    and defaults, with no training recipe, its errors naming ``quantize_weights``."""
+    return Conversion(
+        recipe=None,
+        include=include,
+        exclude=exclude,
+        exclude_defaults=exclude_defaults,
+        caller="quantize_weights",
     )

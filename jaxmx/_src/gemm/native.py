@@ -631,8 +631,8 @@ def current_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16, *, fast_a
     """
     fn = "current_fp8_matmul"
     a, b, out_dtype = _checked_fp8_pair(a, b, out_dtype, fn, _check_current_operand)
-    a_codes, b_codes = tn_codes(a), tn_codes(b)
     a, b = tn_form(a), tn_form(b)
+    a_codes, b_codes = tn_codes(a), tn_codes(b)
     if a.format.span == b.format.span == "tensor":
         factors = (_decode_factor(q) for q in (a, b))
         return fp8_matmul(a_codes, b_codes, *factors, out_dtype, fast_accum=fast_accum)

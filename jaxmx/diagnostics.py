@@ -14,6 +14,8 @@
   tiles, 1x128 blocks, MX 32-blocks, NVFP4 16-blocks) and recommends the coarsest that keeps
   underflow within a budget; :func:`advise` does it for every GEMM leg of a training step, and
   :func:`advised_recipes` turns its advice into ``quantize_model``'s per-layer recipes.
+- :func:`collective_bytes` reads a compiled SPMD program's collectives (all-gather, all-reduce,
+  reduce-scatter, all-to-all) and the bytes each moves, by dtype: what crosses the wire in 8 bits.
 
 See docs/diagnostics.md.
 
@@ -26,6 +28,7 @@ Example:
 """
 
 from jaxmx._src.diagnostics.block_stats import BlockStats, block_stats, gemm_probe
+from jaxmx._src.diagnostics.collectives import COLLECTIVES, CollectiveBytes, collective_bytes
 from jaxmx._src.diagnostics.granularity import (
     ELEMENTS,
     LEVEL_RECIPES,
@@ -55,12 +58,14 @@ from jaxmx._src.diagnostics.telemetry import (
 from jaxmx._src.training.scope import named
 
 __all__ = [
+    "COLLECTIVES",
     "ELEMENTS",
     "LEGS",
     "LEVELS",
     "LEVEL_RECIPES",
     "Advice",
     "BlockStats",
+    "CollectiveBytes",
     "ForwardLegs",
     "GemmTelemetry",
     "GradientLegs",
@@ -73,6 +78,7 @@ __all__ = [
     "advise",
     "advised_recipes",
     "block_stats",
+    "collective_bytes",
     "first_nonfinite",
     "gemm_probe",
     "gemm_taps",

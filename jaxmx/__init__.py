@@ -40,6 +40,7 @@ from jaxmx._src.training.dot_general import (
     dot_general,
 )
 from jaxmx._src.training.einsum import einsum
+from jaxmx._src.training.fsdp import fsdp_dot_general
 from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
 from jaxmx._src.training.scope import stochastic_rounding
 from jaxmx._version import __version__
@@ -72,6 +73,7 @@ __all__ = [
     "einsum",
     "fake_quantize",
     "ffi",
+    "fsdp_dot_general",
     "grouped_recipe",
     "matmul",
     "quantize",

@@ -246,6 +246,17 @@ def current_scaled(xb, f: Format, scale_mode: str, noise):
     """
     reduced = (2,) if f.span == "row" else (0, 1, 2, 3)
     amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=reduced, keepdims=True)
+    scale = current_scale(amax_bits, f, scale_mode)
+    scaled = xb * scale
+    if noise is not None:
+        scaled = round_stochastically(scaled, f, noise)
+    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
+
+
+def current_scale(amax_bits, f: Format, scale_mode: str):
+    """The per-tensor or per-row FP8 scale of an amax given by its float32 bits (``int32``,
+    sign cleared): :func:`current_scaled`'s rule, for callers that reduce the amax themselves
+    (e.g. over the shards of a ``shard_map`` axis)."""
     amax = bits.from_bits(amax_bits)
     floor = _smallest_float32_at_least(AMAX_FLOOR)
     floor_bits = int(floor.view(np.uint32))
@@ -255,11 +266,7 @@ def current_scaled(xb, f: Format, scale_mode: str, noise):
     scale = jnp.where(large, scale, at_floor)
     if scale_mode == "pow2":  # 2^floor(log2(scale)): the scale is normal, drop its mantissa
         scale = bits.from_bits(bits.to_bits(scale) & ~bits.MANTISSA_MASK)
-    scale = jnp.where((amax_bits >> bits.MANTISSA_BITS) == 0xFF, jnp.nan, scale)
-    scaled = xb * scale
-    if noise is not None:
-        scaled = round_stochastically(scaled, f, noise)
-    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return jnp.where((amax_bits >> bits.MANTISSA_BITS) == 0xFF, jnp.nan, scale)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,8 @@ def fsdp_dot_general(
         ...                                   axis_name="fsdp", gather_axis=0)
         >>> f = jax.shard_map(layer, mesh=mesh, in_specs=(P("fsdp"), P("fsdp")),
         ...                   out_specs=P("fsdp"))
-        >>> f(jnp.ones((32, 64)), jnp.ones((32, 64)))[0, 0].item()
+        >>> x = w = jax.device_put(jnp.ones((32, 64)), jax.NamedSharding(mesh, P("fsdp")))
+        >>> f(x, w)[0, 0].item()
         64.0
     """
     check_recipe(recipe, _WHERE)
@@ -173,7 +174,9 @@ def _check_recipe(r: Recipe) -> None:
 
 def _checked_gather_axis(gather_axis, ndim: int, dimension_numbers) -> int:
     if not isinstance(gather_axis, int) or not -ndim <= gather_axis < ndim:
-        raise ValueError(f"{_WHERE}: gather_axis must be a dimension of rhs_shard, got {gather_axis!r}")
+        raise ValueError(
+            f"{_WHERE}: gather_axis must be a dimension of rhs_shard, got {gather_axis!r}"
+        )
     gather_axis %= ndim
     (_, rhs_contract), (_, rhs_batch) = dimension_numbers
     if gather_axis in tuple(rhs_contract):

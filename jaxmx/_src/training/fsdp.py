@@ -52,6 +52,7 @@ from jaxmx._src.training.dot_general import (
     _gemm,
     _named,
     _Operand,
+    _per_tensor,
     _quantize,
     _Static,
     _tiled,
@@ -268,10 +269,6 @@ def _bwd(config: _Config, residuals, g):
 
 
 _fsdp_bmm.defvjp(_fwd, _bwd)
-
-
-def _per_tensor(fmt: str) -> bool:
-    return get_format(fmt).span == "tensor"
 
 
 def _current_copy(x, fmt: str, scale_mode: str, axis_name: str, *, axis: int) -> MXArray:

@@ -61,6 +61,7 @@ DEFAULT_RECIPES = ("bf16", "mxfp8", "mxfp8_2d", "fp8_tensorwise", "fp8_rowwise")
 KINDS = {"AG": "all-gather", "AR": "all-reduce", "RS": "reduce-scatter", "A2A": "all-to-all"}
 NT = (((1,), (1,)), ((), ()))  # x [M, K] . w [N, K] -> [M, N]
 MIB = 2**20
+KEY = jax.random.key(0)  # the stochastic-rounding key of the steps
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,15 +102,19 @@ def dense(recipe, out_sharding=None):
     return lambda x, w: jaxmx.dot_general(x, w, NT, recipe=recipe)
 
 
-def mlp_step(dot, mean=jnp.mean):
+def mlp_step(dot):
     """The jitted ``(params, x) -> (loss, grads)`` of the block with ``dot``."""
 
     def loss(params, x):
         w1, w2 = params
         y = dot(jax.nn.gelu(dot(x, w1)), w2)
-        return mean(y.astype(jnp.float32) ** 2)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    return jax.jit(jax.value_and_grad(loss))
+    def step(params, x):
+        with jaxmx.stochastic_rounding(KEY):  # for recipes that round gradients stochastically
+            return jax.value_and_grad(loss)(params, x)
+
+    return jax.jit(step)
 
 
 def _placed(mesh, shapes: Shapes, x_spec, w1_spec, w2_spec):
@@ -198,9 +203,9 @@ def measure(case: Case) -> tuple[Measured, Callable]:
 
 
 def by_dtype(collectives, kind: str) -> str:
-    """``"u8 6.19 f32 0.50"``: MiB per HLO dtype, ``-`` for none."""
-    found = collectives.by_dtype(kind)
-    return " ".join(f"{t} {b / MIB:.2f}" for t, b in sorted(found.items())) or "-"
+    """``"u8 6.19 s32 12B"``: MiB per HLO dtype (bytes below 10 KiB), ``-`` for none."""
+    found = sorted(collectives.by_dtype(kind).items())
+    return " ".join(f"{t} {b / MIB:.2f}" if b >= 10240 else f"{t} {b}B" for t, b in found) or "-"
 
 
 def run_layout(name: str, recipes: list[str], shapes: Shapes, repeats: int) -> None:

@@ -193,3 +193,28 @@ def test_bfloat16_operands(mesh):
     # bfloat16 rounding step away from the single-device gradient
     diff = np.abs(dw.astype(np.float32) - want_dw.astype(np.float32))
     assert (diff <= 2.0**-7 * np.abs(want_dw.astype(np.float32)) + 1e-30).all()
+
+
+def test_a_k_first_kernel_and_3d_activations(mesh):
+    dims = (((2,), (0,)), ((), ()))  # x [batch, seq, K] . a Flax kernel [K, N], split along N
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (16, 16, K))  # 2 x 16 = 32 tokens per device
+    w = jax.random.normal(kw, (K, N)) * 0.1
+
+    def reference(x, w):
+        return jnp.sum(jnp.tanh(jaxmx.dot_general(x, w, dims)))
+
+    def local(x, w):
+        y = jaxmx.fsdp_dot_general(x, w, dims, axis_name="fsdp", gather_axis=1)
+        return jax.lax.psum(jnp.sum(jnp.tanh(y)), "fsdp")
+
+    w_spec = P(None, "fsdp")
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"), w_spec), out_specs=P())
+    xs = jax.device_put(x, NamedSharding(mesh, P("fsdp")))
+    ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1)))(xs, ws)
+    want_loss, (want_dx, want_dw) = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(dx, want_dx)
+    atol = F32_ROUNDING * float(jnp.abs(want_dw).max())
+    np.testing.assert_allclose(dw, want_dw, rtol=0, atol=atol)

@@ -79,7 +79,8 @@ def fsdp_dot_general(
     Args:
         lhs: this device's activations (float32, bfloat16 or float16), e.g. ``x [M / n, K]``.
         rhs_shard: this device's shard of the weight, split over ``axis_name`` along
-            ``gather_axis``, e.g. ``w [N / n, K]`` with ``gather_axis=0``.
+            ``gather_axis``, e.g. ``w [N / n, K]`` with ``gather_axis=0``, or a Flax kernel
+            ``[K, N / n]`` with ``gather_axis=1``.
         dimension_numbers: as for ``lax.dot_general``, of ``lhs`` and the whole weight.
         axis_name: the ``shard_map`` mesh axis the weight is split over.
         gather_axis: the dimension of ``rhs_shard`` that is split: its first free (not

@@ -40,6 +40,7 @@ from jaxmx._src.training.dot_general import (
     dot_general,
 )
 from jaxmx._src.training.einsum import einsum
+from jaxmx._src.training.expert_parallel import expert_parallel_ffn
 from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
 from jaxmx._src.training.scope import stochastic_rounding
 from jaxmx._version import __version__
@@ -70,6 +71,7 @@ __all__ = [
     "dot_general",
     "dot_product_attention",
     "einsum",
+    "expert_parallel_ffn",
     "fake_quantize",
     "ffi",
     "grouped_recipe",

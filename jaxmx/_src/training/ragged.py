@@ -177,7 +177,9 @@ def quantized_ragged_dot(
     rhs, group_sizes, out_dtype = _checked_operands(
         carrier, rhs, group_sizes, preferred_element_type
     )
-    return _run(recipe, _Quantized(as_bits(lhs), carrier), carrier, rhs, group_sizes, out_dtype, key)
+    return _run(
+        recipe, _Quantized(as_bits(lhs), carrier), carrier, rhs, group_sizes, out_dtype, key
+    )
 
 
 class _Quantized(NamedTuple):
@@ -368,7 +370,10 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
         lhs_col, rhs_by_n = _columnwise(r, _values(lhs), rhs, group_sizes, tiled)
         saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
     elif isinstance(lhs, _Quantized):  # the input is the codes
-        saved = (_named(mx_from_bits(lhs.bits), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
+        saved = (
+            _named(mx_from_bits(lhs.bits), LHS_INPUT),
+            checkpoint_name(to_bits(rhs), RHS_INPUT),
+        )
     else:
         saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
     return y, (saved, group_sizes, key)

@@ -106,7 +106,7 @@ def test_mxfp8_gradients_match_one_device_bit_for_bit(mxfp8_results):
     # the wgrad of the first GEMM requantizes the received 8-bit tokens columnwise; on these
     # Gaussian tokens no element is an E4M3 subnormal in its block, so that is exact
     for got, want, name in zip(
-        mxfp8_results["grads"], mxfp8_results["grads_ref"], "x w_in w_out".split()
+        mxfp8_results["grads"], mxfp8_results["grads_ref"], "x w_in w_out".split(), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
 
@@ -177,7 +177,7 @@ def test_ragged_dot_takes_quantized_tokens_without_a_decode():
 
     got = jax.grad(loss, (0, 1))(jnp.zeros_like(x), w_in)
     want = jax.grad(lambda x, w: (jaxmx.ragged_dot(x, w, sizes) ** 2).sum(), (0, 1))(x, w_in)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -195,7 +195,7 @@ def test_bad_arguments_raise(mesh):
     run = lambda ids, capacity=CAPACITY, recipe=MXFP8: expert_parallel(mesh, recipe, capacity)(
         *sharded(mesh, x, ids, gates, w_in, w_out)
     )
-    y, dropped = run(ids.at[:3, 1].set(E).at[3, 0].set(-1))
+    _, dropped = run(ids.at[:3, 1].set(E).at[3, 0].set(-1))
     assert int(dropped) == 4  # ids outside [0, E): dropped and counted
     with pytest.raises(ValueError, match="capacity must be a positive int"):
         run(ids, capacity=0)

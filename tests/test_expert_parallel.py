@@ -201,3 +201,14 @@ def test_bad_arguments_raise(mesh):
         run(ids, capacity=0)
     with pytest.raises(NotImplementedError, match="not whole bytes"):
         run(ids, recipe=jaxmx.recipes.MXFP4)
+
+
+def test_block_fp8_dispatch_sends_its_float32_scales_as_bytes(mesh):
+    recipe = jaxmx.recipes.FP8_BLOCK_POW2  # 128-blocks: d = 64 is one block, zero-padded
+    args = layer_inputs(4)
+    ep = jax.jit(expert_parallel(mesh, recipe))
+    y, _ = ep(*sharded(mesh, *args))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(one_device(recipe))(*args)))
+    sent = jaxmx.diagnostics.collective_bytes(ep.lower(*sharded(mesh, *args)).compile())
+    # d codes per token (the padding stays home) and one float32 scale as 4 bytes
+    assert sent.by_dtype("all-to-all")["u8"] == DISPATCHED + E * CAPACITY * 4

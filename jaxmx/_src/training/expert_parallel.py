@@ -13,7 +13,8 @@ flattened) sharded over the same axis. Each device holds ``t`` tokens and ``e`` 
 2. Dispatch: the ``[E capacity, d]`` send buffer is quantized rowwise along ``d`` in
    ``recipe.fwd`` (whole blocks per token: a token's codes do not depend on the other tokens),
    and its codes and scales cross the all-to-all as ``uint8`` (XLA:CPU would widen 8-bit floats
-   to float32 on the wire): 1 + 1/32 bytes per element for MXFP8, the empty slots included.
+   to float32 on the wire): 1 + 1/32 bytes per element for MXFP8, the empty slots included (the
+   zero codes that pad ``d`` to whole blocks stay home).
 3. Experts: the received codes feed the first grouped GEMM as they are
    (:func:`jaxmx.ragged_dot` of an MXArray: no decode and requantization), then
    ``activation``, then the second grouped GEMM (:func:`jaxmx.ragged_dot`, its input quantized
@@ -58,6 +59,7 @@ from jaxmx._src.core.dtypes import as_array, as_float_array
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
+from jaxmx._src.core.sizes import round_up
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training.ragged import grouped_recipe, quantized_ragged_dot, ragged_dot
 
@@ -136,8 +138,10 @@ def expert_parallel_ffn(
         codes, scales, carrier = _dispatch(recipe, axis_name, _by_device(send, n))
         f = get_format(recipe.fwd)
         rows = (n * e * capacity, d)
+        codes = _per_expert(codes, order)
+        codes = jnp.pad(codes, ((0, 0), (0, round_up(d, f.block) - d)))  # the last block's
         q = MXArray(
-            _from_wire(_per_expert(codes, order), f.dtype),
+            _from_wire(codes, f.dtype),
             _from_wire(_per_expert(scales, order), f.scale_dtype),
             recipe.fwd,
             1,
@@ -232,7 +236,8 @@ def _dispatch(recipe: Recipe, axis_name: str, send: jax.Array):
     ``uint8``; ``carrier`` (zeros ``[n, m, d]``) takes the received tokens' gradient, which
     the backward pass sends back in ``send``'s dtype."""
     q = quantize(send, recipe.fwd, axis=2, scale_mode=recipe.scale_mode)
-    codes = lax.all_to_all(_to_wire(q.data), axis_name, 0, 0)
+    d = send.shape[2]  # the codes past it pad the last block: zeros, not sent
+    codes = lax.all_to_all(_to_wire(q.data[..., :d]), axis_name, 0, 0)
     scales = lax.all_to_all(_to_wire(q.scale), axis_name, 0, 0)
     return codes, scales, jnp.zeros_like(send)
 

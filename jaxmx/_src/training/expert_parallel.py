@@ -39,8 +39,10 @@ Example:
     >>> ids, gates = jnp.array([[0], [1], [1], [0]]), jnp.ones((4, 1))
     >>> ffn = lambda *a: jaxmx.expert_parallel_ffn(
     ...     *a, axis_name="expert", capacity=2, activation=lambda h: h)
-    >>> y, dropped = jax.shard_map(ffn, mesh=mesh, in_specs=P("expert"),
-    ...     out_specs=(P("expert"), P()))(x, ids, gates, w_in, w_out)
+    >>> layer = jax.shard_map(ffn, mesh=mesh, in_specs=P("expert"),
+    ...     out_specs=(P("expert"), P()))
+    >>> args = jax.device_put((x, ids, gates, w_in, w_out), jax.NamedSharding(mesh, P("expert")))
+    >>> y, dropped = jax.jit(layer)(*args)
     >>> y[0, 0].item(), dropped.item()
     (256.0, 0)
 """

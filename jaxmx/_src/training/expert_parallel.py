@@ -120,45 +120,31 @@ def expert_parallel_ffn(
     _check_shapes(x, expert_ids, gates, w_in, w_out, capacity)
     t, k = expert_ids.shape
 
-    # 1. route: slot `expert * capacity + rank` of the send buffer, ordered (device, expert)
-    ids = expert_ids.reshape(t * k).astype(jnp.int32)
-    onehot = ids[:, None] == jnp.arange(n * e, dtype=jnp.int32)
-    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), ids[:, None], 1)
-    keep = (rank[:, 0] <= capacity) & (ids >= 0) & (ids < n * e)
-    slot = jnp.where(keep, ids * capacity + rank[:, 0] - 1, n * e * capacity)
-    dropped = lax.psum((t * k - keep.sum()).astype(jnp.int32), axis_name)
+    slot, counts, dropped = _route(expert_ids, n * e, capacity)
+    dropped = lax.psum(dropped, axis_name)
     send = jnp.zeros((n * e * capacity, d), x.dtype).at[slot].set(jnp.repeat(x, k, 0), mode="drop")
-    counts = jnp.minimum(onehot.sum(0, dtype=jnp.int32), capacity).reshape(n, e)
 
     # 2. dispatch; the receiver lays each expert's tokens out one after the other
-    received = lax.all_to_all(counts, axis_name, 0, 0)  # [source, e]
+    received = lax.all_to_all(counts.reshape(n, e), axis_name, 0, 0)  # [source, e]
     order, inverse, group_sizes = _layout(received, capacity)
     if recipe is None:
         tokens = _per_expert(lax.all_to_all(_by_device(send, n), axis_name, 0, 0), order)
         hidden = lax.ragged_dot(tokens, w_in, group_sizes, preferred_element_type=x.dtype)
-    else:
+        out = lax.ragged_dot(activation(hidden), w_out, group_sizes, preferred_element_type=x.dtype)
+    else:  # 3. the experts read the received codes as they are
         codes, scales, carrier = _dispatch(recipe, axis_name, _by_device(send, n))
-        f = get_format(recipe.fwd)
-        rows = (n * e * capacity, d)
-        codes = _per_expert(codes, order)
-        codes = jnp.pad(codes, ((0, 0), (0, round_up(d, f.block) - d)))  # the last block's
-        q = MXArray(
-            _from_wire(codes, f.dtype),
-            _from_wire(_per_expert(scales, order), f.scale_dtype),
-            recipe.fwd,
-            1,
-            rows,
-        )
+        q = _received(recipe.fwd, _per_expert(codes, order), _per_expert(scales, order), d)
         keys = (None, None) if key is None else tuple(jax.random.split(check_key(key, _WHERE)))
         hidden = quantized_ragged_dot(
             q, _per_expert(carrier, order), w_in, group_sizes, recipe=recipe, key=keys[0]
         )
-    out = activation(hidden)
-    if recipe is None:
-        out = lax.ragged_dot(out, w_out, group_sizes, preferred_element_type=x.dtype)
-    else:
         out = ragged_dot(
-            out, w_out, group_sizes, recipe=recipe, key=keys[1], preferred_element_type=x.dtype
+            activation(hidden),
+            w_out,
+            group_sizes,
+            recipe=recipe,
+            key=keys[1],
+            preferred_element_type=x.dtype,
         )
 
     # 4. combine in high precision, back to the assignments' slots
@@ -166,6 +152,28 @@ def expert_parallel_ffn(
     y = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(t, k, d)
     y = (y * gates[..., None].astype(y.dtype)).sum(1)
     return y.astype(x.dtype), dropped
+
+
+def _route(expert_ids: jax.Array, num_experts: int, capacity: int):
+    """(each assignment's slot in the send buffer, ``expert * capacity + rank``, or
+    ``num_experts * capacity`` when dropped; the filled slots per expert; the number dropped).
+    Assignments take their expert's slots in token order, then choice order."""
+    ids = expert_ids.reshape(-1).astype(jnp.int32)
+    onehot = ids[:, None] == jnp.arange(num_experts, dtype=jnp.int32)
+    rank = jnp.take_along_axis(jnp.cumsum(onehot, axis=0, dtype=jnp.int32), ids[:, None], 1)
+    keep = (rank[:, 0] <= capacity) & (ids >= 0) & (ids < num_experts)
+    slot = jnp.where(keep, ids * capacity + rank[:, 0] - 1, num_experts * capacity)
+    counts = jnp.minimum(onehot.sum(0, dtype=jnp.int32), capacity)
+    return slot, counts, (ids.size - keep.sum()).astype(jnp.int32)
+
+
+def _received(fmt: str, codes: jax.Array, scales: jax.Array, d: int) -> MXArray:
+    """The MXArray ``[rows, d]`` of the received ``uint8`` codes (``d`` of them per row) and
+    scales; the codes that pad the last block, zeros, are restored here."""
+    f = get_format(fmt)
+    codes = jnp.pad(codes, ((0, 0), (0, round_up(d, f.block) - d)))
+    data, scale = _from_wire(codes, f.dtype), _from_wire(scales, f.scale_dtype)
+    return MXArray(data, scale, fmt, 1, (codes.shape[0], d))
 
 
 def _check_shapes(x, expert_ids, gates, w_in, w_out, capacity) -> None:

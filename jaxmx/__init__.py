@@ -40,6 +40,7 @@ from jaxmx._src.training.dot_general import (
     dot_general,
 )
 from jaxmx._src.training.einsum import einsum
+from jaxmx._src.training.expert_parallel import expert_parallel_ffn
 from jaxmx._src.training.fsdp import fsdp_dot_general
 from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
 from jaxmx._src.training.scope import stochastic_rounding
@@ -71,6 +72,7 @@ __all__ = [
     "dot_general",
     "dot_product_attention",
     "einsum",
+    "expert_parallel_ffn",
     "fake_quantize",
     "ffi",
     "fsdp_dot_general",

@@ -69,7 +69,8 @@ def test_the_top_level_exports_the_documented_api():
         "quantize", "dequantize", "quantize_rowwise_colwise", "swizzle_scales",
         "unswizzle_scales", "dot_general", "einsum", "matmul", "MXArray", "Recipe", "recipes",
         "backends", "stochastic_rounding", "BlockShardingError", "LHS_COLWISE", "RHS_COLWISE",
-        "LHS_INPUT", "RHS_INPUT", "KVCache", "cached_attention", "fsdp_dot_general",
+        "LHS_INPUT", "RHS_INPUT", "KVCache", "cached_attention", "expert_parallel_ffn",
+        "fsdp_dot_general",
     }  # fmt: skip
     assert expected <= set(jaxmx.__all__)
 

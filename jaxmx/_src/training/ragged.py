@@ -38,6 +38,14 @@ operands (``lax.ragged_dot``'s own batching rule takes only all three mapped); f
 differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
 :func:`jaxmx.dot_general`.
 
+``lhs`` may also come already quantized: an :class:`jaxmx.MXArray` ``[m, k]`` in ``recipe.fwd``
+blocked along K (tokens received in 8 bits, :func:`jaxmx.expert_parallel_ffn`). Its codes feed
+the forward GEMM as they are (no decode and requantization: the same numbers as the high-precision
+``lhs`` it was quantized from with ``recipe.scale_mode``), and the weight gradient's columnwise
+copy is quantized from its decoded values, as DeepSeek-V3 requantizes its FP8 activations for the
+backward pass (the one difference from the high-precision ``lhs``: the wgrad operand is quantized
+twice). An MXArray is data: it gets no gradient.
+
 Example:
     >>> import jax.numpy as jnp, jaxmx
     >>> lhs, rhs = jnp.ones((6, 64)), jnp.stack([jnp.ones((64, 8)), 2 * jnp.ones((64, 8))])
@@ -61,7 +69,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits, to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, as_bits
+from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
@@ -75,7 +83,7 @@ from jaxmx._src.training.higher_order import first_order_only
 
 
 def ragged_dot(
-    lhs: jax.Array,
+    lhs: jax.Array | MXArray,
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
@@ -86,7 +94,10 @@ def ragged_dot(
     """``jax.lax.ragged_dot`` with MX-quantized forward, dgrad and wgrad GEMMs.
 
     Args:
-        lhs: ``[m, k]`` float32, bfloat16 or float16, the groups' rows one after the other.
+        lhs: ``[m, k]`` float32, bfloat16 or float16, the groups' rows one after the other; or
+            an :class:`jaxmx.MXArray` ``[m, k]`` of ``recipe.fwd`` blocked along K, quantized
+            with ``recipe.scale_mode`` (an MXArray does not record it), which counts as float32
+            for the default output dtype (see the module docstring).
         rhs: ``[g, k, n]``, one matrix per group.
         group_sizes: ``[g]`` non-negative integers (may be traced: then unchecked), summing to
             at most ``m``.
@@ -101,7 +112,85 @@ def ragged_dot(
     """
     if check_recipe(recipe, "jaxmx.ragged_dot", optional=True) is not None:
         recipe = grouped_recipe(recipe)
+    if isinstance(lhs, MXArray):
+        carrier = jnp.zeros(lhs.shape, jnp.float32)  # its gradient is dropped
+        return quantized_ragged_dot(
+            lhs,
+            carrier,
+            rhs,
+            group_sizes,
+            preferred_element_type=preferred_element_type,
+            recipe=recipe,
+            key=key,
+        )
     lhs = as_float_array(lhs, "jaxmx.ragged_dot: lhs")
+    rhs, group_sizes, out_dtype = _checked_operands(lhs, rhs, group_sizes, preferred_element_type)
+    if recipe is None:  # plain high precision
+        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    return _run(recipe, lhs, lhs, rhs, group_sizes, out_dtype, key)
+
+
+def quantized_ragged_dot(
+    lhs: MXArray,
+    carrier: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type=None,
+    recipe: Recipe = MXFP8,
+    key: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`ragged_dot` of an already quantized ``lhs`` (an MXArray ``[m, k]`` of
+    ``recipe.fwd`` blocked along K), whose input gradient is the gradient of ``carrier``: an
+    ``[m, k]`` float array whose values are not read (zeros, typically), there to carry the
+    gradient back to what ``lhs`` was quantized from (the dispatch of
+    :func:`jaxmx.expert_parallel_ffn`). ``carrier``'s dtype is the default output dtype with
+    ``rhs``'s, and the gradient's dtype.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxmx
+        >>> x, w = jnp.ones((4, 32)), jnp.ones((2, 32, 8))
+        >>> f = lambda c, w: quantized_ragged_dot(jaxmx.quantize(x), c, w, jnp.array([1, 3])).sum()
+        >>> jax.grad(f)(jnp.zeros((4, 32)), w)[0, 0].item()  # the sum over n of w
+        8.0
+    """
+    where = "jaxmx.ragged_dot"
+    if check_recipe(recipe, where) is not None:
+        recipe = grouped_recipe(recipe)
+    lhs = checked(lhs, f"{where}: lhs")
+    carrier = as_float_array(carrier, f"{where}: carrier")
+    if lhs.fmt != recipe.fwd or lhs.axis != 1 or len(lhs.shape) != 2:
+        raise ValueError(
+            f"{where}: an MXArray lhs must be [m, k] in the recipe's forward format "
+            f"{recipe.fwd!r} blocked along K (axis 1), got {lhs.fmt!r} {list(lhs.shape)} "
+            f"blocked along axis {lhs.axis}"
+        )
+    if lhs.tile is not None or lhs.global_scale is not None:
+        raise ValueError(
+            f"{where}: an MXArray lhs must have 1-D blocks and no tensor scale, got tile "
+            f"{lhs.tile} and global_scale {lhs.global_scale is not None}"
+        )
+    if carrier.shape != lhs.shape:
+        raise ValueError(
+            f"{where}: carrier must have lhs's shape {list(lhs.shape)}, got {list(carrier.shape)}"
+        )
+    rhs, group_sizes, out_dtype = _checked_operands(
+        carrier, rhs, group_sizes, preferred_element_type
+    )
+    return _run(
+        recipe, _Quantized(as_bits(lhs), carrier), carrier, rhs, group_sizes, out_dtype, key
+    )
+
+
+class _Quantized(NamedTuple):
+    """An already quantized ``lhs``: its bits, and the array that takes its gradient."""
+
+    bits: object  # MXBits
+    carrier: jax.Array
+
+
+def _checked_operands(lhs, rhs, group_sizes, preferred_element_type):
+    """(``rhs``, ``group_sizes``, the output dtype) after the shape and dtype checks."""
     rhs = as_float_array(rhs, "jaxmx.ragged_dot: rhs")
     group_sizes = as_array(group_sizes, "jaxmx.ragged_dot: group_sizes")
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
@@ -119,13 +208,19 @@ def ragged_dot(
         "jaxmx.ragged_dot: preferred_element_type",
     )
     _check_group_sizes(group_sizes)
-    if recipe is None:  # plain high precision
-        return lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    return rhs, group_sizes, out_dtype
+
+
+def _run(recipe: Recipe, lhs, lhs_like, rhs, group_sizes, out_dtype, key):
+    """The quantized grouped GEMM of ``lhs`` (an array or :class:`_Quantized`); ``lhs_like``:
+    the high-precision array that stands for it (its dtype is the gradient's)."""
     if key is not None:
         key = check_key(key, "jaxmx.ragged_dot")
     key = scope.gradient_key(recipe.grad_rounding, key)
-    static = _Static(recipe, out_dtype, lhs.dtype, rhs.dtype)
-    static, tap = _observed(static, lhs, rhs)
+    static = _Static(recipe, out_dtype, lhs_like.dtype, rhs.dtype)
+    if isinstance(lhs, _Quantized):
+        static = static._replace(quantized_lhs=jax.tree.map(_shape_of, lhs.bits))
+    static, tap = _observed(static, _values(lhs), rhs)
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
@@ -188,6 +283,7 @@ class _Static(NamedTuple):
     lhs_dtype: jnp.dtype
     rhs_dtype: jnp.dtype
     observe_grad: Callable | None = None  # a scope.Tap's backward: (dgrad leg, wgrad leg) -> ct
+    quantized_lhs: object = None  # a _Quantized lhs's bits as ShapeDtypeStructs (static)
 
 
 def _observed(static: _Static, lhs, rhs) -> tuple[_Static, object]:
@@ -240,8 +336,17 @@ def _forward(static: _Static, lhs, rhs, group_sizes, tiled: MXArray | None):
     """The forward GEMM; ``rhs`` is read along K, or as ``tiled`` (:func:`_tiled`)."""
     r = static.recipe
     rhs = _decoded(rhs, r.fwd, r, axis=1) if tiled is None else dequantize(tiled)
-    y = _by_rows(_decoded(lhs, r.fwd, r, axis=1), rhs, group_sizes)
+    if isinstance(lhs, _Quantized):  # its codes as they are
+        lhs = dequantize(mx_from_bits(lhs.bits))
+    else:
+        lhs = _decoded(lhs, r.fwd, r, axis=1)
+    y = _by_rows(lhs, rhs, group_sizes)
     return y.astype(static.out_dtype)
+
+
+def _values(lhs) -> jax.Array:
+    """The high-precision ``lhs``, or the float32 values of a :class:`_Quantized` one."""
+    return dequantize(mx_from_bits(lhs.bits)) if isinstance(lhs, _Quantized) else lhs
 
 
 def _tiled(r: Recipe, rhs) -> MXArray | None:
@@ -256,12 +361,19 @@ def _tiled(r: Recipe, rhs) -> MXArray | None:
 def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
     r = static.recipe
     scope.require_gradient_key(r.grad_rounding, key)
-    lhs, rhs = first_order_only(_WHERE, lhs, rhs)  # the residuals and y: not differentiable again
+    rhs = first_order_only(_WHERE, rhs)  # the residuals and y: not differentiable again
+    if not isinstance(lhs, _Quantized):
+        lhs = first_order_only(_WHERE, lhs)
     tiled = _tiled(r, rhs)
     y = _forward(static, lhs, rhs, group_sizes, tiled)
     if r.residuals == "quantized":  # the 8-bit copies the two backward GEMMs read
-        lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes, tiled)
+        lhs_col, rhs_by_n = _columnwise(r, _values(lhs), rhs, group_sizes, tiled)
         saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
+    elif isinstance(lhs, _Quantized):  # the input is the codes
+        saved = (
+            _named(mx_from_bits(lhs.bits), LHS_INPUT),
+            checkpoint_name(to_bits(rhs), RHS_INPUT),
+        )
     else:
         saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
     return y, (saved, group_sizes, key)
@@ -303,7 +415,12 @@ def _ragged_bwd(static: _Static, residuals, g):
     if r.residuals == "quantized":
         lhs_col, rhs_by_n = (mx_from_bits(q) for q in saved)
     else:
-        lhs, rhs = from_bits(saved[0], static.lhs_dtype), from_bits(saved[1], static.rhs_dtype)
+        lhs = (
+            dequantize(mx_from_bits(saved[0]))
+            if isinstance(saved[0], MXBits)
+            else from_bits(saved[0], static.lhs_dtype)
+        )
+        rhs = from_bits(saved[1], static.rhs_dtype)
         lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes, _tiled(r, rhs))
     row_key, col_key = scope.copy_keys(key)
     dlhs = _by_rows(  # reduces N
@@ -318,7 +435,19 @@ def _ragged_bwd(static: _Static, residuals, g):
         padded_sizes,
     )
     tap_ct = _observed_gradient(static, g, g_by_group)
-    return dlhs.astype(static.lhs_dtype), drhs.astype(static.rhs_dtype), None, None, tap_ct
+    dlhs = dlhs.astype(static.lhs_dtype)
+    if static.quantized_lhs is not None:  # the codes get none, the carrier the gradient
+        dlhs = _Quantized(jax.tree.map(_zero_cotangent, static.quantized_lhs), dlhs)
+    return dlhs, drhs.astype(static.rhs_dtype), None, None, tap_ct
+
+
+def _shape_of(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _zero_cotangent(x: jax.ShapeDtypeStruct):
+    """The cotangent of an integer array: float0 zeros."""
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 def _observed_gradient(static: _Static, g, g_by_group):

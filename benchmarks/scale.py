@@ -8,7 +8,8 @@ prints, from the compiled program: the bytes each collective moves per step by H
 (``jaxmx.diagnostics.collective_bytes``: all-gather AG, all-reduce AR, reduce-scatter RS,
 all-to-all A2A), ``memory_analysis()``'s peak temporary buffer and argument / output sizes, and
 the step time (median of interleaved repeats after a compiling call, benchmarks/timing.py),
-with the gathered bytes, peak temporary and time as ratios to BF16 in the same layout and run.
+with the gathered bytes (AG x), all collective bytes (wire x), peak temporary and time as
+ratios to BF16 in the same layout and run.
 
 Layouts (``--layouts``):
 
@@ -17,7 +18,11 @@ Layouts (``--layouts``):
 - ``fsdp_tp``: a ``(4, 2)`` ``("fsdp", "model")`` mesh, Megatron over ``model`` (``w1`` rows and
   ``w2`` columns), the weights' other dimension and the batch over ``fsdp``;
 - ``fsdp_shard_map``: ``jax.shard_map`` over ``fsdp`` with ``jaxmx.fsdp_dot_general`` (BF16:
-  ``lax.all_gather`` of the bfloat16 casts); recipes the helper refuses are listed as such.
+  ``lax.all_gather`` of the bfloat16 casts); recipes the helper refuses are listed as such;
+- ``moe_ep``: the expert-parallel MoE FFN ``jaxmx.expert_parallel_ffn`` on ``(8,) ("expert",)``
+  (benchmarks/scale_moe.py's step): ``batch`` bfloat16 tokens of ``d``, 16 experts
+  ``[d, hidden]`` / ``[hidden, d]`` in bfloat16, top-2, capacity factor 1.25; BF16 is
+  ``recipe=None`` (the tokens dispatched in bfloat16, stock ``lax.ragged_dot``).
 
 One more layout is one more function ``(recipe, args) -> Case`` in :data:`LAYOUTS`.
 
@@ -38,6 +43,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import scale_moe
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -173,14 +179,22 @@ def fsdp_shard_map(recipe, shapes: Shapes) -> Case:
     return Case(step=jax.jit(jax.value_and_grad(sharded)), args=(params, x))
 
 
+def moe_ep(recipe, shapes: Shapes) -> Case:
+    """The expert-parallel MoE FFN's training step (``jax.grad`` with respect to the tokens and
+    both expert weights), 16 experts, top-2, 1.25 x the even share of slots per expert."""
+    mesh = jax.make_mesh((8,), ("expert",))
+    experts, k = 16, 2
+    capacity = int(shapes.batch // 8 * k / experts * 1.25)
+    args = scale_moe.inputs(mesh, shapes.batch, shapes.d, shapes.hidden, experts, k)
+    return Case(step=scale_moe.step(mesh, recipe, capacity), args=tuple(args))
+
+
 LAYOUTS: dict[str, Callable[..., Case]] = {
     "fsdp_auto": fsdp(AxisType.Auto),
     "fsdp_explicit": fsdp(AxisType.Explicit),
     "fsdp_tp": fsdp_tp,
     "fsdp_shard_map": fsdp_shard_map,
-    # The expert-parallel MoE layer joins here as one more entry, e.g.
-    #   from scale_moe import moe_expert_parallel
-    #   LAYOUTS["moe_ep"] = moe_expert_parallel  # (recipe, shapes) -> Case
+    "moe_ep": moe_ep,
 }
 """Layout name -> ``(recipe or None, Shapes) -> Case``."""
 
@@ -208,13 +222,18 @@ def by_dtype(collectives, kind: str) -> str:
     return " ".join(f"{t} {b / MIB:.2f}" if b >= 10240 else f"{t} {b}B" for t, b in found) or "-"
 
 
+def _total(collectives) -> int:
+    """All bytes the step's collectives move."""
+    return sum(collectives.bytes.values())
+
+
 def run_layout(name: str, recipes: list[str], shapes: Shapes, repeats: int) -> None:
     measured, steps, refused, args = {}, {}, {}, None
     for r in recipes:
         try:
             case = LAYOUTS[name](RECIPES[r], shapes)
             measured[r], steps[r] = measure(case)
-        except ValueError as e:  # a recipe the layout refuses
+        except (ValueError, NotImplementedError) as e:  # a recipe the layout refuses
             refused[r] = str(e).split(";")[0]
         args = args or case.args  # every recipe's step takes the same arguments
     times = interleaved_medians(steps, args, repeats)
@@ -222,7 +241,7 @@ def run_layout(name: str, recipes: list[str], shapes: Shapes, repeats: int) -> N
     print(f"\n{name}  (collectives in MiB per step by dtype; ratios to bf16)")
     header = (
         f"{'recipe':>15} | {'AG':>18} | {'AR':>14} | {'RS':>14} | {'A2A':>8} | temp MiB | "
-        f"args MiB | out MiB | step ms | AG x | temp x | time x"
+        f"args MiB | out MiB | step ms | AG x | wire x | temp x | time x"
     )
     print(header)
     print("-" * len(header))
@@ -232,11 +251,12 @@ def run_layout(name: str, recipes: list[str], shapes: Shapes, repeats: int) -> N
             continue
         m, t = measured[r], times[r].seconds
         ag = m.collectives.of("all-gather") / max(base.collectives.of("all-gather"), 1)
+        wire = _total(m.collectives) / max(_total(base.collectives), 1)
         cols = [by_dtype(m.collectives, k) for k in KINDS.values()]
         print(
             f"{r:>15} | {cols[0]:>18} | {cols[1]:>14} | {cols[2]:>14} | {cols[3]:>8} | "
             f"{m.temp / MIB:8.1f} | {m.arguments / MIB:8.1f} | {m.outputs / MIB:7.1f} | "
-            f"{t * 1e3:7.0f} | {ag:4.2f} | {m.temp / base.temp:6.2f} | "
+            f"{t * 1e3:7.0f} | {ag:4.2f} | {wire:6.2f} | {m.temp / base.temp:6.2f} | "
             f"{t / times['bf16'].seconds:6.2f}"
         )
 

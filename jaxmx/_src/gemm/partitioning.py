@@ -148,13 +148,15 @@ class Plan:
     result_sharding: NamedSharding
 
 
-def plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False, False)) -> Plan:
+def plan(
+    mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False, False), split_k=True
+) -> Plan:
     """Consistent shardings for the four operands and the result, from the propagated ones.
 
     Each mesh axis is used once: batch dims first (from the lhs, else the rhs), then the lhs rows
     M, the rhs rows N (so a weight sharded like the activations' rows is gathered, FSDP style),
-    then K (from the lhs, else the rhs). The scales follow their data (a K-first operand and its
-    scales have rows and K the other way round).
+    then K (from the lhs, else the rhs; with ``split_k=False`` K stays whole). The scales
+    follow their data (a K-first operand and its scales have rows and K the other way round).
     """
     a, b = arg_shapes[0], arg_shapes[1]
     nb = len(a.shape) - 2
@@ -174,7 +176,7 @@ def plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False,
     batch = [take(a_spec[i], b_spec[i]) for i in range(nb)]
     m = take(a_spec[a_rows])
     n = take(b_spec[b_rows])
-    k = take(a_spec[a_k], b_spec[b_k])
+    k = take(a_spec[a_k], b_spec[b_k]) if split_k else ()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     k_size, k_shards = a.shape[a_k], math.prod(sizes[x] for x in k)
     if k and k_size % (block * k_shards):

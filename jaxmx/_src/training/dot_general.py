@@ -64,6 +64,7 @@ from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
 from jaxmx._src.training.gathered import Quantized, gathered_gemm, quantized_inside
 from jaxmx._src.training.higher_order import first_order_only
+from jaxmx._src.training.local_quantize import local_quantize
 from jaxmx._src.training.remat import opaque, presented_as_dot
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
@@ -588,8 +589,11 @@ def _quantize(x, key=None, *, fmt: str, axis: int, scale_mode: str, to_values: b
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _tiled(w, fmt: str, r: Recipe) -> MXArray:
-    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs."""
-    return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
+    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs, each
+    device quantizing the tiles of its shard (:func:`local_quantize`)."""
+    if get_format(fmt).span != "block" or jax.sharding.get_abstract_mesh().manual_axes:
+        return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
+    return local_quantize(w, fmt, r.scale_mode, r.weight_tile)
 
 
 def _named(q: MXArray, name: str) -> MXBits:

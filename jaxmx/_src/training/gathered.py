@@ -215,7 +215,12 @@ def _layout(mesh, arg_shapes, result_shape, sides, na):
     ``(mesh axis, size)`` pairs to gather on the device)."""
     k_first = tuple(s.k_first for s in sides)
     block = get_format(sides[0].fmt).block
-    p = plan(mesh, (arg_shapes[0], arg_shapes[na]), result_shape, _WHERE, block, k_first)
+    shapes = (arg_shapes[0], arg_shapes[na])
+    try:
+        p = plan(mesh, shapes, result_shape, _WHERE, block, k_first)
+    except BlockShardingError as e:  # K whole on each device instead: XLA gathers it
+        warnings.warn(f"{e} The emulated GEMM gathers K instead.", stacklevel=2)
+        p = plan(mesh, shapes, result_shape, _WHERE, block, k_first, split_k=False)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     shardings, gathers = [], []
     for i, side in enumerate(sides):

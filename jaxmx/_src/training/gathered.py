@@ -115,7 +115,7 @@ def _travelling(x):
     """``x`` as it crosses devices: 8-bit arrays as ``uint8``, others as they are."""
     if x.dtype in bits.BYTE_DTYPES:
         return bits.as_bytes(x)
-    if x.dtype.itemsize < 1 or jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1:
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1:  # FP4 / FP6 codes
         return to_bits(x)
     return x
 
@@ -232,10 +232,8 @@ def _layout(mesh, arg_shapes, result_shape, sides, na):
                 have = spec_of(shape, mesh, _WHERE, block)
             except BlockShardingError:  # split into mesh sub-axes: left to XLA
                 have = (None,) * nd
-            want = [
-                mesh_axes(e) if n > 1 else ()
-                for e, n in zip(want_spec + (None,) * (nd - len(want_spec)), shape.shape)
-            ]
+            padded = want_spec + (None,) * (nd - len(want_spec))
+            want = [mesh_axes(e) if n > 1 else () for e, n in zip(padded, shape.shape, strict=True)]
             used = {a for w in want for a in w}
             spec, gather = [], []
             for d in range(nd):

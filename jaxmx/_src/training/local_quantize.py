@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
+from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.partitioning import spec_of
@@ -38,7 +39,7 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
     """``quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)`` of ``w`` [..., N, K],
     each device quantizing its own whole tiles."""
     f = get_format(fmt)
-    data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.ndim)(w)
+    data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape)(w)
     return MXArray(
         bits.from_bytes(data, f.dtype),
         bits.from_bytes(scale, f.scale_dtype),
@@ -50,7 +51,9 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
 
 
 @functools.cache
-def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], ndim: int):
+def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[int, ...]):
+    ndim = len(shape)
+
     def local(w):
         q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)
         return bits.as_bytes(q.data), bits.as_bytes(q.scale)
@@ -63,7 +66,7 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], ndim: int):
 
     @batched.def_vmap
     def rule(axis_size, in_batched, w):  # custom_partitioning has no batching rule of its own
-        return _partitioned(fmt, scale_mode, tile, w.ndim)(w), (True, True)
+        return _partitioned(fmt, scale_mode, tile, w.shape)(w), (True, True)
 
     def layout(mesh, arg_shapes):
         (shape,) = arg_shapes
@@ -96,8 +99,13 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], ndim: int):
     def infer(mesh, arg_shapes, result_shape):
         return layout(mesh, arg_shapes)[1]
 
+    # the codes share the weight's factors (a padded dim has one of its own), the scales have
+    # their own: the callback gives them the weight's sharding
     letters = [f"d{i}" for i in range(ndim)]
-    data = [f"p{i}" for i in range(ndim)]
+    padded = padded_shape(shape, ndim - 1, tile[1], tile)
+    data = [
+        f"d{i}" if n == p else f"p{i}" for i, (n, p) in enumerate(zip(shape, padded, strict=True))
+    ]
     scale = [f"s{i}" for i in range(ndim)]
     quantized.def_partition(
         partition=partition,
@@ -106,4 +114,3 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], ndim: int):
         decode_shardings=False,
     )
     return jax.jit(batched)
-

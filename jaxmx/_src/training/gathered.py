@@ -215,11 +215,11 @@ def _layout(mesh, arg_shapes, result_shape, sides, na):
     ``(mesh axis, size)`` pairs to gather on the device)."""
     k_first = tuple(s.k_first for s in sides)
     block = get_format(sides[0].fmt).block
-    shapes = (arg_shapes[0], arg_shapes[na])
+    shapes, problems = (arg_shapes[0], arg_shapes[na]), []
     try:
         p = plan(mesh, shapes, result_shape, _WHERE, block, k_first)
     except BlockShardingError as e:  # K whole on each device instead: XLA gathers it
-        warnings.warn(f"{e} The emulated GEMM gathers K instead.", stacklevel=2)
+        problems.append(f"{e} The emulated GEMM gathers K instead.")
         p = plan(mesh, shapes, result_shape, _WHERE, block, k_first, split_k=False)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     shardings, gathers = [], []
@@ -245,13 +245,12 @@ def _layout(mesh, arg_shapes, result_shape, sides, na):
                 n = math.prod(sizes[a] for a in h)
                 problem = _problem(side, d - nd, shape.shape[d], n, block)
                 if problem:
-                    warnings.warn(
+                    problems.append(
                         f"{_WHERE}: the {('lhs', 'rhs')[i]} operand {tuple(shape.shape)} of an "
                         f"emulated GEMM is sharded along its dim {d} over mesh axes {h}, "
                         f"{problem}; XLA gathers it in high precision instead of as 8-bit "
                         f"codes. Make that dim's per-shard size a multiple of {block} to gather "
-                        "8-bit codes.",
-                        stacklevel=2,
+                        "8-bit codes."
                     )
                     spec.append(None)
                     gather.append(())
@@ -261,6 +260,8 @@ def _layout(mesh, arg_shapes, result_shape, sides, na):
                 gather.append(tuple((a, sizes[a]) for a in h))
             shardings.append(NamedSharding(mesh, P(*spec)))
             gathers.append(tuple(gather))
+    if problems:  # one warning per GEMM
+        warnings.warn(" ".join(dict.fromkeys(problems)), stacklevel=2)
     return p, tuple(shardings), tuple(gathers)
 
 

@@ -74,6 +74,7 @@ class _Side(NamedTuple):  # the static description of one operand
     shape: tuple[int, ...]  # the logical shape
     tile: tuple[int, int] | None
     dtypes: tuple[jnp.dtype, ...]  # of its leaves, as they were before travelling
+    scale_batch: tuple[int, ...] = ()  # an MXArray's scale's own batch dims
 
     @property
     def k_first(self) -> bool:
@@ -99,10 +100,13 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False) -> jax.Ar
         else:
             if op.global_scale is not None:
                 raise NotImplementedError("gathered_gemm: NVFP4 operands")
-            arrays = (op.data, op.scale)
+            # a per-tensor scale [1, 1, 1] travels broadcast over the batch dims, like its codes
+            scale = jnp.broadcast_to(op.scale, (*op.data.shape[:-2], *op.scale.shape[-2:]))
+            arrays = (op.data, scale)
             side = _Side(
                 "mx", op.fmt, op.axis, None, op.shape, op.tile, tuple(x.dtype for x in arrays)
             )
+            side = side._replace(scale_batch=op.scale.shape[:-2])
             arrays = tuple(_travelling(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
@@ -150,6 +154,9 @@ def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, fo
             arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))
         data, scale = (_restored(t, d) for t, d in zip(arrays, side.dtypes, strict=True))
         nd = len(side.shape)
+        for i, n in enumerate(side.scale_batch):  # undo the broadcast
+            if n == 1:
+                scale = lax.slice_in_dim(scale, 0, 1, axis=scale.ndim - nd + i)
         rows_k = tuple(min(a, b) for a, b in zip(data.shape[-2:], side.shape[-2:], strict=True))
         shape = (*data.shape[data.ndim - nd : -2], *rows_k)
         return MXArray(data, scale, side.fmt, side.axis, shape, side.tile)

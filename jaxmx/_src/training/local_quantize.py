@@ -22,6 +22,7 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,7 +43,7 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape)(w)
     return MXArray(
         bits.from_bytes(data, f.dtype),
-        bits.from_bytes(scale, f.scale_dtype),
+        bits.from_bytes(scale, f.scale_dtype) if scale.dtype == jnp.uint8 else scale,
         fmt,
         w.ndim - 1,
         w.shape,
@@ -56,7 +57,9 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[
 
     def local(w):
         q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)
-        return bits.as_bytes(q.data), bits.as_bytes(q.scale)
+        return tuple(
+            bits.as_bytes(t) if t.dtype in bits.BYTE_DTYPES else t for t in (q.data, q.scale)
+        )
 
     @custom_partitioning
     def quantized(w):

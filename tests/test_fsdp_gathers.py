@@ -147,8 +147,8 @@ def test_scan_and_remat_match_one_device():
 
 
 def test_misaligned_shards_warn_and_match_one_device():
-    """K = 48 per... a weight [N=64, K=128] sharded on K over 8 devices (16 per shard): its
-    forward copy cannot be gathered as codes; XLA gathers it in high precision, with a warning."""
+    """A weight [N=64, K=128] sharded on K over 8 devices (16 per shard): its forward copy
+    cannot be gathered as codes; XLA gathers it in high precision, with one warning."""
     recipe = jaxmx.recipes.MXFP8
     k = jax.random.split(jax.random.key(2), 2)
     w = jax.random.normal(k[0], (64, 128))

@@ -145,10 +145,10 @@ def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, fo
                 quantizer = quantize_to_grid if to_values else quantize
                 return quantizer(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             q = quantize(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
-            data, scale = (_gather(bits.as_bytes(t), gathers[0]) for t in (q.data, q.scale))
-            f = get_format(side.fmt)
+            data, scale = (
+                _restored(_gather(_travelling(t), gathers[0]), t.dtype) for t in (q.data, q.scale)
+            )
             shape = tuple(s * _count(g) for s, g in zip(x.shape, gathers[0], strict=True))
-            data, scale = bits.from_bytes(data, f.dtype), bits.from_bytes(scale, f.scale_dtype)
             return MXArray(data, scale, side.fmt, q.axis, shape)
         if gathers is not None:
             arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))

@@ -18,7 +18,15 @@ import jaxmx
 from jaxmx.diagnostics import collective_bytes
 
 DIMS = (((1,), (1,)), ((), ()))
-RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE")
+RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "MXFP4")
+
+
+def _recipe(name):
+    if name == "MXFP4":  # nearest rounding: no key to thread through the test
+        return jaxmx.recipes.MXFP4.replace(grad_rounding="nearest")
+    return getattr(jaxmx.recipes, name)
+
+
 N, K, M = 512, 256, 256  # w1 [N, K], w2 [K, N]
 
 
@@ -64,7 +72,7 @@ def _specs(layout):
 
 
 def _step(recipe_name, layout, explicit):
-    recipe = None if recipe_name == "bf16" else getattr(jaxmx.recipes, recipe_name)
+    recipe = None if recipe_name == "bf16" else _recipe(recipe_name)
     mesh = _mesh(layout, explicit)
     wspec, xspec = _specs(layout)
     p, x = _inputs()
@@ -81,7 +89,7 @@ def single():
     for name in RECIPES:
         cpu0 = jax.devices()[0]
         pp, xx = jax.device_put((p, x), cpu0)
-        out[name] = jax.jit(jax.value_and_grad(_loss(getattr(jaxmx.recipes, name))))(pp, xx)
+        out[name] = jax.jit(jax.value_and_grad(_loss(_recipe(name))))(pp, xx)
     return out
 
 
@@ -99,10 +107,14 @@ def test_gathers_are_8bit_and_match_one_device(recipe, layout, explicit, single)
     # no weight crosses in high precision (float32 per-row scales are 4 bytes per 256 elements)
     assert high < 0.02 * weight_elems, (recipe, layout, b)
     # three 8-bit planes gathered: w1's forward copy, w2's forward and dgrad copies (grad is
-    # taken of the weights only: no dgrad of w1), each 1 byte per element plus scales (1/32 byte
-    # for 1-D MX blocks); under fsdp_tp each device gathers over "data" only, half a weight.
-    # Under Auto axes XLA may also gather an 8-bit activation copy (256 x 256, 0.25 per element).
-    planes = 1.5 * (1 / 32 + 1 if recipe == "MXFP8" else 1) * (0.5 if layout == "fsdp_tp" else 1)
+    # taken of the weights only: no dgrad of w1), each 1 byte per element (an FP4 code travels
+    # in a byte) plus its scales (1/32 byte for 1-D 32-element blocks, ~0 for 2-D tiles and
+    # per-row / per-tensor scales); under fsdp_tp each device gathers over "data" only, half a
+    # weight. Under Auto axes XLA may also gather an 8-bit activation copy (0.25 per element).
+    r = _recipe(recipe)
+    one_d = jaxmx.FORMATS[r.fwd].span == "block" and not r.weight_tile
+    planes = 1.5 * (1 + (1 / jaxmx.FORMATS[r.fwd].block if one_d else 0))
+    planes *= 0.5 if layout == "fsdp_tp" else 1
     per_elem = b.of("all-gather", "u8") / weight_elems
     assert planes - 0.01 < per_elem < planes + (0.01 if explicit else 0.31), (per_elem, b)
     want_loss, want_grads = single[recipe]

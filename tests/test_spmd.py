@@ -572,28 +572,29 @@ def test_docs_distributed_example():
 # --- export ----------------------------------------------------------------------------------
 
 
-def test_a_sharded_training_step_round_trips_through_jax_export():
-    """The MLP training step, data parallel on 8 devices with the default recipe, serialized
-    with jax.export and deserialized, gives the same result (no host callbacks, no custom
-    partitioning in the emulated path)."""
-    mesh = make_mesh((8,), ("data",))
-    sh = lambda *s: NamedSharding(mesh, P(*s))
-    in_shardings = (sh("data"), sh(), sh(), sh("data"))
-    step = jax.jit(mlp_step("auto"), in_shardings=in_shardings)
-    args = mlp_inputs()
+def test_a_one_device_training_step_round_trips_through_jax_export():
+    """The MLP training step with the default recipe on one device, serialized with jax.export
+    and deserialized, gives the same result (no host callbacks: on one device the emulated
+    GEMMs' partitioning rule is inlined)."""
+    step = jax.jit(mlp_step("auto"))
+    args = jax.device_put(mlp_inputs(), jax.devices()[0])
     exported = jax.export.export(step)(*args)
-    assert exported.nr_devices == 8
+    assert exported.nr_devices == 1
     restored = jax.export.deserialize(exported.serialize())
     want = step(*args)
-    got = jax.jit(restored.call, in_shardings=in_shardings)(*args)
+    got = jax.jit(restored.call)(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    compare(
-        ("loss", "y", "dx", "dw1", "dw2"),
-        got,
-        reference(("mlp", "emulate"), mlp_step("emulate"), *args),
-        sum_abs={"loss": loss_scale(want[0][1], args[3])},
-    )
+
+
+def test_a_sharded_emulated_training_step_cannot_be_exported():
+    """On several devices the emulated GEMMs run inside a custom_partitioning rule (8-bit
+    gathers, docs/distributed.md), which jax.export cannot serialize: it says so."""
+    mesh = make_mesh((8,), ("data",))
+    sh = lambda *s: NamedSharding(mesh, P(*s))
+    step = jax.jit(mlp_step("auto"), in_shardings=(sh("data"), sh(), sh(), sh("data")))
+    with pytest.raises(NotImplementedError, match="host_callbacks"):
+        jax.export.export(step)(*mlp_inputs())
 
 
 # --- Explicit mesh axes -----------------------------------------------------------------------

@@ -6,7 +6,7 @@ gathering its operands: rows M of the lhs, rows N of the rhs and the batch dims 
 sharded together with its K/32 scale blocks, and a sharded K ends in a float32 ``psum`` (or
 a ``psum_scatter`` when the result is wanted sharded along the same mesh axes). 8-bit codes and
 scales travel as ``uint8``. A K that would split a block raises :class:`BlockShardingError` from
-the rule. (The emulated GEMM is plain JAX, partitioned by XLA itself.)
+the rule. (The emulated training GEMMs use the same plan: :mod:`jaxmx._src.training.gathered`.)
 
 Example:
     >>> import jax.numpy as jnp
@@ -102,24 +102,15 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int,
         return local(out_dtype, (a, b, a_scale, b_scale))
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _plan(mesh, arg_shapes, result_shape, where, block, k_first)
+        p = plan(mesh, arg_shapes, result_shape, where, block, k_first)
 
         def lower(a, b, a_scale, b_scale):
-            args = (a, b, a_scale, b_scale)
-            if not plan.k:
-                return local(out_dtype, args)
-            # Partial sums leave the device in float32 and are rounded to out_dtype once.
-            out = local(jnp.dtype(jnp.float32), args)
-            for axis, axes in plan.scatter:
-                out = lax.psum_scatter(out, axes, scatter_dimension=axis, tiled=True)
-            if plan.reduce:
-                out = lax.psum(out, plan.reduce)
-            return out.astype(out_dtype)
+            return reduced(p, lambda dtype: local(dtype, (a, b, a_scale, b_scale)), out_dtype)
 
-        return mesh, lower, plan.result_sharding, plan.arg_shardings
+        return mesh, lower, p.result_sharding, p.arg_shardings
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD propagation (Shardy uses the rule)
-        return _plan(mesh, arg_shapes, result_shape, where, block, k_first).result_sharding
+        return plan(mesh, arg_shapes, result_shape, where, block, k_first).result_sharding
 
     gemm.def_partition(
         partition=partition,
@@ -134,8 +125,22 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int,
     return gemm
 
 
+def reduced(p: Plan, local: Callable, out_dtype):
+    """The per-device GEMM ``local(dtype)`` under plan ``p``: as is where K is whole, else its
+    float32 partial sums reduced (``psum``, or ``psum_scatter`` into a result dim) across the
+    devices that split K, then rounded to ``out_dtype`` once."""
+    if not p.k:
+        return local(out_dtype)
+    out = local(jnp.dtype(jnp.float32))
+    for axis, axes in p.scatter:
+        out = lax.psum_scatter(out, axes, scatter_dimension=axis, tiled=True)
+    if p.reduce:
+        out = lax.psum(out, p.reduce)
+    return out.astype(out_dtype)
+
+
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
     k: tuple[str, ...]  # mesh axes that split K
     reduce: tuple[str, ...]  # ... summed with psum
     scatter: tuple[tuple[int, tuple[str, ...]], ...]  # (output dim, axes) summed by psum_scatter
@@ -143,19 +148,21 @@ class _Plan:
     result_sharding: NamedSharding
 
 
-def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False, False)) -> _Plan:
+def plan(
+    mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False, False), split_k=True
+) -> Plan:
     """Consistent shardings for the four operands and the result, from the propagated ones.
 
     Each mesh axis is used once: batch dims first (from the lhs, else the rhs), then the lhs rows
     M, the rhs rows N (so a weight sharded like the activations' rows is gathered, FSDP style),
-    then K (from the lhs, else the rhs). The scales follow their data (a K-first operand and its
-    scales have rows and K the other way round).
+    then K (from the lhs, else the rhs; with ``split_k=False`` K stays whole). The scales
+    follow their data (a K-first operand and its scales have rows and K the other way round).
     """
     a, b = arg_shapes[0], arg_shapes[1]
     nb = len(a.shape) - 2
     # the dims of (rows, K) in each operand
     (a_rows, a_k), (b_rows, b_k) = ((nb + 1, nb) if f else (nb, nb + 1) for f in k_first)
-    a_spec, b_spec = _spec_of(a, mesh, where, block), _spec_of(b, mesh, where, block)
+    a_spec, b_spec = spec_of(a, mesh, where, block), spec_of(b, mesh, where, block)
     used: set[str] = set()
 
     def take(*entries):
@@ -169,7 +176,7 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False
     batch = [take(a_spec[i], b_spec[i]) for i in range(nb)]
     m = take(a_spec[a_rows])
     n = take(b_spec[b_rows])
-    k = take(a_spec[a_k], b_spec[b_k])
+    k = take(a_spec[a_k], b_spec[b_k]) if split_k else ()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     k_size, k_shards = a.shape[a_k], math.prod(sizes[x] for x in k)
     if k and k_size % (block * k_shards):
@@ -180,7 +187,7 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False
 
     # A result wanted sharded along K's mesh axes (e.g. sequence parallelism after a
     # row-parallel layer): reduce-scatter into that dim instead of all-reduce then slice.
-    want = _spec_of(result_shape, mesh, where, block)
+    want = spec_of(result_shape, mesh, where, block)
     out_dims = [*batch, m, n]
     scatter, scattered = [], set()
     for d in (nb, nb + 1):
@@ -197,7 +204,7 @@ def _plan(mesh, arg_shapes, result_shape, where: str, block: int, k_first=(False
 
     a_sh = named(*batch, k, m) if k_first[0] else named(*batch, m, k)
     b_sh = named(*batch, k, n) if k_first[1] else named(*batch, n, k)
-    return _Plan(
+    return Plan(
         k=k,
         reduce=reduce,
         scatter=tuple(scatter),
@@ -218,7 +225,7 @@ def _decoded_spec(sharding, mesh) -> tuple:
     return tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
 
 
-def _spec_of(shape, mesh, where: str, block: int) -> tuple:
+def spec_of(shape, mesh, where: str, block: int) -> tuple:
     """The ``PartitionSpec`` entries of an argument's (undecoded) sharding, one per dimension."""
     sharding = getattr(shape, "sharding", None)
     ndim = len(shape.shape)

@@ -62,7 +62,9 @@ from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
+from jaxmx._src.training.gathered import Quantized, gathered_gemm, quantized_inside
 from jaxmx._src.training.higher_order import first_order_only
+from jaxmx._src.training.local_quantize import local_quantize
 from jaxmx._src.training.remat import opaque, presented_as_dot
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
@@ -547,9 +549,32 @@ def _gemm(
         run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
+    if len(chosen) == 1 and _gathers_8bit(chosen["default"], a, b):
+        return gathered_gemm(chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward)
     if len(chosen) == 1:
         return branch(chosen["default"])()
     return lax.platform_dependent(**{p: branch(kernel) for p, kernel in chosen.items()})
+
+
+def _gathers_8bit(kernel: str, a, b) -> bool:
+    """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: an
+    emulation outside ``shard_map`` (whose arrays are already per-device) of operands without
+    an NVFP4 tensor scale."""
+    if kernel not in ("emulate", "emulate_values", "dequantized"):
+        return False
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return False
+    return all(getattr(q, "global_scale", None) is None for q in (a, b))
+
+
+def _inside(r: Recipe, q: _Operand | MXArray):
+    """An operand of :func:`gathered_gemm`: an MXArray as it is, an :class:`_Operand` as a
+    :class:`Quantized` one where each shard can quantize its own part, else quantized here."""
+    if isinstance(q, MXArray):
+        return q
+    if quantized_inside(q.fmt, q.key):
+        return Quantized(q.x, q.fmt, q.x.ndim + q.axis, r.scale_mode)
+    return _quantize(q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=False)
 
 
 # The quantizers are jitted so that eager (un-jitted) callers run one compiled kernel per copy;
@@ -564,8 +589,11 @@ def _quantize(x, key=None, *, fmt: str, axis: int, scale_mode: str, to_values: b
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _tiled(w, fmt: str, r: Recipe) -> MXArray:
-    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs."""
-    return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
+    """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs, each
+    device quantizing the tiles of its shard (:func:`local_quantize`)."""
+    if get_format(fmt).span != "block" or jax.sharding.get_abstract_mesh().manual_axes:
+        return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
+    return local_quantize(w, fmt, r.scale_mode, r.weight_tile)
 
 
 def _named(q: MXArray, name: str) -> MXBits:

@@ -1,0 +1,181 @@
+"""FSDP weight gathers of the emulated training GEMMs move 8-bit codes and scales, never f32/bf16.
+
+A two-GEMM MLP, weights sharded on their first dim (N) over the data axis, jax.grad of the step:
+the all-gathered bytes per weight element, by HLO dtype (jaxmx.diagnostics.collective_bytes), and
+the loss and gradients against the single-device step.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxmx
+from jaxmx.diagnostics import collective_bytes
+
+DIMS = (((1,), (1,)), ((), ()))
+RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "MXFP4")
+
+
+def _recipe(name):
+    if name == "MXFP4":  # nearest rounding: no key to thread through the test
+        return jaxmx.recipes.MXFP4.replace(grad_rounding="nearest")
+    return getattr(jaxmx.recipes, name)
+
+
+N, K, M = 512, 256, 256  # w1 [N, K], w2 [K, N]
+
+
+def _loss(recipe):
+    def mm(x, w):
+        if recipe is None:
+            return lax_dot(x, w)
+        return jaxmx.dot_general(x, w, DIMS, recipe=recipe, preferred_element_type=jnp.float32)
+
+    def loss(p, x):
+        h = jax.nn.relu(mm(x, p["w1"]))
+        return jnp.mean(mm(h, p["w2"]) ** 2)
+
+    return loss
+
+
+def lax_dot(x, w):
+    return jax.lax.dot_general(x, w.astype(jnp.bfloat16), DIMS, preferred_element_type=jnp.float32)
+
+
+def _inputs():
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {
+        "w1": jax.random.normal(k[0], (N, K)) * 0.05,
+        "w2": jax.random.normal(k[1], (K, N)) * 0.05,
+    }
+    x = jax.random.normal(k[2], (M, K)).astype(jnp.bfloat16)
+    return p, x
+
+
+def _mesh(layout, explicit):
+    types = (AxisType.Explicit if explicit else AxisType.Auto,) * 2
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=types)
+
+
+def _specs(layout):
+    if layout == "fsdp":  # FSDP over all 8 devices
+        return {"w1": P(("data", "model"), None), "w2": P(("data", "model"), None)}, P(
+            ("data", "model"), None
+        )
+    # FSDP over "data" x tensor parallel over "model": w1 column-, w2 row-parallel
+    return {"w1": P("model", "data"), "w2": P("data", "model")}, P("data", None)
+
+
+def _step(recipe_name, layout, explicit):
+    recipe = None if recipe_name == "bf16" else _recipe(recipe_name)
+    mesh = _mesh(layout, explicit)
+    wspec, xspec = _specs(layout)
+    p, x = _inputs()
+    p = {k: jax.device_put(v, NamedSharding(mesh, wspec[k])) for k, v in p.items()}
+    x = jax.device_put(x, NamedSharding(mesh, xspec))
+    step = jax.jit(jax.value_and_grad(_loss(recipe)))
+    return step, p, x, mesh
+
+
+@pytest.fixture(scope="module")
+def single():
+    p, x = _inputs()
+    out = {}
+    for name in RECIPES:
+        cpu0 = jax.devices()[0]
+        pp, xx = jax.device_put((p, x), cpu0)
+        out[name] = jax.jit(jax.value_and_grad(_loss(_recipe(name))))(pp, xx)
+    return out
+
+
+CASES = [(r, lay, e) for r in RECIPES for lay in ("fsdp", "fsdp_tp") for e in (False, True)]
+
+
+@pytest.mark.parametrize("recipe,layout,explicit", CASES)
+def test_gathers_are_8bit_and_match_one_device(recipe, layout, explicit, single):
+    step, p, x, _ = _step(recipe, layout, explicit)
+    compiled = step.lower(p, x).compile()
+    loss, grads = compiled(p, x)
+    b = collective_bytes(compiled)
+    high = sum(b.of("all-gather", t) for t in ("f32", "bf16"))
+    weight_elems = 2 * N * K
+    # no weight crosses in high precision (float32 per-row scales are 4 bytes per 256 elements)
+    assert high < 0.02 * weight_elems, (recipe, layout, b)
+    # three 8-bit planes gathered: w1's forward copy, w2's forward and dgrad copies (grad is
+    # taken of the weights only: no dgrad of w1), each 1 byte per element (an FP4 code travels
+    # in a byte) plus its scales (1/32 byte for 1-D 32-element blocks, ~0 for 2-D tiles and
+    # per-row / per-tensor scales); under fsdp_tp each device gathers over "data" only, half a
+    # weight. Under Auto axes XLA may also gather an 8-bit activation copy (0.25 per element).
+    r = _recipe(recipe)
+    one_d = jaxmx.FORMATS[r.fwd].span == "block" and not r.weight_tile
+    planes = 1.5 * (1 + (1 / jaxmx.FORMATS[r.fwd].block if one_d else 0))
+    planes *= 0.5 if layout == "fsdp_tp" else 1
+    per_elem = b.of("all-gather", "u8") / weight_elems
+    assert planes - 0.01 < per_elem < planes + (0.01 if explicit else 0.31), (per_elem, b)
+    want_loss, want_grads = single[recipe]
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], want_grads[k], rtol=1e-4, atol=1e-6)
+
+
+def test_stock_bf16_gathers_high_precision():
+    """The reference: the stock step all-gathers its weights in float32 on XLA:CPU."""
+    step, p, x, _ = _step("bf16", "fsdp", False)
+    b = collective_bytes(step.lower(p, x).compile())
+    assert b.of("all-gather", "f32") >= 4 * N * K
+
+
+def test_scan_and_remat_match_one_device():
+    recipe = jaxmx.recipes.MXFP8
+    policy = jax.checkpoint_policies.save_only_these_names(jaxmx.LHS_COLWISE, jaxmx.RHS_COLWISE)
+
+    def layer(h, w):
+        y = jaxmx.dot_general(h, w, DIMS, recipe=recipe, preferred_element_type=jnp.float32)
+        return jax.nn.relu(y), None
+
+    def loss(ws, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), x, ws)
+        return jnp.mean(h**2)
+
+    k = jax.random.split(jax.random.key(1), 2)
+    ws = jax.random.normal(k[0], (2, K, K)) * 0.1
+    x = jax.random.normal(k[1], (M, K))
+    want = jax.jit(jax.value_and_grad(loss))(*jax.device_put((ws, x), jax.devices()[0]))
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    ws_s = jax.device_put(ws, NamedSharding(mesh, P(None, "fsdp", None)))
+    x_s = jax.device_put(x, NamedSharding(mesh, P("fsdp", None)))
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(ws_s, x_s).compile()
+    got = compiled(ws_s, x_s)
+    b = collective_bytes(compiled)
+    assert b.of("all-gather", "f32") + b.of("all-gather", "bf16") < 0.02 * ws.size, b
+    assert b.of("all-gather", "u8") > 0
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
+
+
+def test_misaligned_shards_warn_and_match_one_device():
+    """A weight [N=64, K=128] sharded on K over 8 devices (16 per shard): its forward copy
+    cannot be gathered as codes; XLA gathers it in high precision, with one warning."""
+    recipe = jaxmx.recipes.MXFP8
+    k = jax.random.split(jax.random.key(2), 2)
+    w = jax.random.normal(k[0], (64, 128))
+    x = jax.random.normal(k[1], (64, 128))
+
+    def f(x, w):
+        return jnp.sum(jaxmx.dot_general(x, w, DIMS, recipe=recipe) ** 2)
+
+    want = jax.jit(f)(x, w)
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    x_s = jax.device_put(x, NamedSharding(mesh, P("fsdp", None)))
+    w_s = jax.device_put(w, NamedSharding(mesh, P(None, "fsdp")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = jax.jit(f)(x_s, w_s)
+    messages = [str(c.message) for c in caught if "8-bit codes" in str(c.message)]
+    assert messages and "'fsdp'" in messages[0] and "multiple of 32" in messages[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)

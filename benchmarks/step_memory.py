@@ -4,17 +4,20 @@ Two models, each one jitted gradient step compiled for one device, sizes read fr
 ``compiled.memory_analysis()`` (temporary, argument and output bytes; no run):
 
 - ``mlp``: 4 dense layers ``1024 -> 4096 -> 1024 -> 4096 -> 1024`` with a GELU after each but
-  the last, on ``x [2048, 1024]`` bfloat16; float32 master weights ``[in, out]`` cast to
-  bfloat16 for each GEMM; ``jax.grad`` of a squared loss.
+  the last (two blocks ``Dense(4096) -> GELU -> Dense(1024)``), on ``x [2048, 1024]``
+  bfloat16; float32 master weights ``[in, out]`` cast to bfloat16 for each GEMM; ``jax.grad``
+  of a squared loss.
 - ``demo``: the demo transformer (``jaxmx.demo``, the default :class:`~jaxmx.demo.train.Config`),
   ``nnx.value_and_grad`` of its loss (no optimizer update).
 
-Variants: the step without remat; each remat unit (an MLP layer, a transformer block) under
-``jax.checkpoint`` with ``dots_saveable`` (bfloat16) or jaxmx's 8-bit-residual policy
-``save_only_these_names(jaxmx.LHS_COLWISE, jaxmx.RHS_COLWISE)`` (the recipes). Ratios are to
-the bfloat16 step without remat, and for the remat rows also to bfloat16 with ``dots_saveable``.
+Variants: the step without remat; each remat unit (an MLP block, or with ``--unit layer`` an
+MLP layer; a transformer block) under ``jax.checkpoint`` with ``dots_saveable``, or for the
+recipes jaxmx's 8-bit-residual policy ``save_only_these_names(jaxmx.LHS_COLWISE,
+jaxmx.RHS_COLWISE)``. Ratios are to the bfloat16 step without remat, and for the remat rows
+also to bfloat16 with ``dots_saveable``.
 
     python benchmarks/step_memory.py
+    python benchmarks/step_memory.py --models mlp --unit layer --recipes MXFP8
 """
 
 from __future__ import annotations
@@ -47,14 +50,22 @@ def mlp_layer(w, h, recipe, last: bool):
     return h if last else jax.nn.gelu(h)
 
 
-def mlp_step(recipe, policy):
-    """``jax.grad`` of the MLP's squared loss, each layer under ``jax.checkpoint(policy)``."""
+def mlp_step(recipe, policy, unit: str = "block"):
+    """``jax.grad`` of the MLP's squared loss, each remat ``unit`` under
+    ``jax.checkpoint(policy)``: a ``block`` (two layers: up, GELU, down) or a ``layer``."""
+    per_unit = 2 if unit == "block" else 1
 
     def loss(params, x, y):
         h = x
-        for i, w in enumerate(params):
-            layer = lambda w, h, i=i: mlp_layer(w, h, recipe, last=i == len(params) - 1)
-            h = (jax.checkpoint(layer, policy=policy) if policy else layer)(w, h)
+        for start in range(0, len(params), per_unit):
+
+            def run(ws, h, start=start):
+                for i, w in enumerate(ws, start):
+                    h = mlp_layer(w, h, recipe, last=i == len(params) - 1)
+                return h
+
+            ws = params[start : start + per_unit]
+            h = (jax.checkpoint(run, policy=policy) if policy else run)(ws, h)
         return jnp.mean((h.astype(jnp.float32) - y) ** 2)
 
     return jax.grad(loss)
@@ -100,25 +111,27 @@ def memory(fn, recipe, *args) -> tuple[int, int, int]:
 
 def variants(recipes):
     """(name, recipe, policy) rows: bf16 without remat and with dots_saveable, then each recipe
-    without remat and with the 8-bit-residual policy."""
+    without remat, with the 8-bit-residual policy and with dots_saveable."""
     yield "bf16", None, None
     yield "bf16 dots_saveable", None, DOTS
     for name in recipes:
         r = getattr(jaxmx.recipes, name)
         yield name, r, None
         yield f"{name} 8-bit names", r, EIGHT_BIT
+        yield f"{name} dots_saveable", r, DOTS
 
 
 def report(title: str, sizes: dict) -> None:
     print(title)
-    print(f"{'variant':>28} {'temp MiB':>9} {'/ bf16':>7} {'/ dots':>7} {'args MiB':>9} {'out MiB':>8}")
+    head = ("temp MiB", "/ bf16", "/ dots", "args MiB", "out MiB")
+    print(f"{'variant':>28} " + " ".join(f"{h:>9}" for h in head))
     base, dots = sizes["bf16"][0], sizes["bf16 dots_saveable"][0]
     for name, (temp, arg, out) in sizes.items():
-        remat = name != "bf16" and (name.endswith("names") or name.endswith("saveable"))
-        vs_dots = f"{temp / dots:7.3f}" if remat else f"{'':>7}"
+        remat = name.endswith("names") or name.endswith("saveable")
+        vs_dots = f"{temp / dots:9.3f}" if remat else f"{'':>9}"
         print(
-            f"{name:>28} {temp / 2**20:9.1f} {temp / base:7.3f} {vs_dots} "
-            f"{arg / 2**20:9.1f} {out / 2**20:8.1f}"
+            f"{name:>28} {temp / 2**20:9.1f} {temp / base:9.3f} {vs_dots} "
+            f"{arg / 2**20:9.1f} {out / 2**20:9.1f}"
         )
 
 
@@ -129,14 +142,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
     parser.add_argument("--models", nargs="*", default=("mlp", "demo"))
+    parser.add_argument("--unit", choices=("block", "layer"), default="block")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, one device")
     if "mlp" in args.models:
         margs = mlp_args(args.tokens, args.features, args.hidden)
-        sizes = {n: memory(mlp_step(r, p), r, *margs) for n, r, p in variants(args.recipes)}
+        steps = {n: (mlp_step(r, p, args.unit), r) for n, r, p in variants(args.recipes)}
+        sizes = {n: memory(step, r, *margs) for n, (step, r) in steps.items()}
         report(
             f"mlp: 4 layers {args.features} <-> {args.hidden}, x [{args.tokens}, "
-            f"{args.features}] bf16, f32 weights cast to bf16, remat per layer",
+            f"{args.features}] bf16, f32 weights cast to bf16, remat per {args.unit}",
             sizes,
         )
     if "demo" in args.models:

@@ -7,6 +7,7 @@ Two models, each one jitted gradient step compiled for one device, sizes read fr
   the last (two blocks ``Dense(4096) -> GELU -> Dense(1024)``), on ``x [2048, 1024]``
   bfloat16; float32 master weights ``[in, out]`` cast to bfloat16 for each GEMM; ``jax.grad``
   of a squared loss.
+- ``mlp-scan``: the same MLP with its two blocks under ``lax.scan`` (weights stacked).
 - ``demo``: the demo transformer (``jaxmx.demo``, the default :class:`~jaxmx.demo.train.Config`),
   ``nnx.value_and_grad`` of its loss (no optimizer update).
 
@@ -66,6 +67,24 @@ def mlp_step(recipe, policy, unit: str = "block"):
 
             ws = params[start : start + per_unit]
             h = (jax.checkpoint(run, policy=policy) if policy else run)(ws, h)
+        return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+
+    return jax.grad(loss)
+
+
+def scanned_mlp_step(recipe, policy):
+    """:func:`mlp_step` with the two blocks' weights stacked and the blocks under ``lax.scan``
+    (each step under ``jax.checkpoint(policy)``)."""
+
+    def block(h, ws):
+        h = mlp_layer(ws[0], h, recipe, last=False)
+        return mlp_layer(ws[1], h, recipe, last=True), None
+
+    body = jax.checkpoint(block, policy=policy) if policy else block
+
+    def loss(params, x, y):
+        stacked = (jnp.stack(params[0::2]), jnp.stack(params[1::2]))
+        h, _ = lax.scan(body, x, stacked)
         return jnp.mean((h.astype(jnp.float32) - y) ** 2)
 
     return jax.grad(loss)
@@ -141,7 +160,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
-    parser.add_argument("--models", nargs="*", default=("mlp", "demo"))
+    parser.add_argument("--models", nargs="*", default=("mlp", "mlp-scan", "demo"))
     parser.add_argument("--unit", choices=("block", "layer"), default="block")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, one device")
@@ -152,6 +171,15 @@ def main() -> None:
         report(
             f"mlp: 4 layers {args.features} <-> {args.hidden}, x [{args.tokens}, "
             f"{args.features}] bf16, f32 weights cast to bf16, remat per {args.unit}",
+            sizes,
+        )
+    if "mlp-scan" in args.models:
+        margs = mlp_args(args.tokens, args.features, args.hidden)
+        steps = {n: (scanned_mlp_step(r, p), r) for n, r, p in variants(args.recipes)}
+        sizes = {n: memory(step, r, *margs) for n, (step, r) in steps.items()}
+        report(
+            "mlp-scan: the same MLP, its 2 blocks under lax.scan (stacked weights), remat "
+            "per block",
             sizes,
         )
     if "demo" in args.models:

@@ -54,6 +54,27 @@ def _mlp_temp(recipe, policy) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def _scanned_mlp_temp(recipe, policy) -> int:
+    """:func:`_mlp_temp`'s blocks under ``lax.scan`` (stacked weights)."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    w_up = jax.random.normal(keys[0], (2, 256, 1024)) * 256**-0.5
+    w_down = jax.random.normal(keys[1], (2, 1024, 256)) * 1024**-0.5
+    x = jax.random.normal(keys[2], (256, 256), jnp.bfloat16)
+    y = jax.random.normal(keys[3], (256, 256))
+
+    def block(h, ws):
+        return _dense(jax.nn.gelu(_dense(h, ws[0], recipe)), ws[1], recipe), None
+
+    body = jax.checkpoint(block, policy=policy) if policy else block
+
+    def loss(params, x, y):
+        h, _ = lax.scan(body, x, params)
+        return jnp.mean((h.astype(jnp.float32) - y) ** 2)
+
+    compiled = jax.jit(jax.grad(loss)).lower((w_up, w_down), x, y).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
 def _demo_temp(recipe, policy) -> int:
     """The demo transformer (2 blocks, d_model 64), each block under ``nnx.remat(policy)``."""
     cfg = Config(d_model=64, layers=2, heads=2, seq_len=64, batch=8)
@@ -72,7 +93,11 @@ def _demo_temp(recipe, policy) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.fixture(scope="module", params=[_mlp_temp, _demo_temp], ids=["mlp", "demo"])
+@pytest.fixture(
+    scope="module",
+    params=[_mlp_temp, _scanned_mlp_temp, _demo_temp],
+    ids=["mlp", "scanned-mlp", "demo"],
+)
 def temps(request):
     mx = jaxmx.recipes.MXFP8
     cases = {

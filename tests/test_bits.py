@@ -1,9 +1,11 @@
 """The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties."""
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax import lax
 
 from jaxmx._src.core import bits as _bits
 
@@ -56,3 +58,40 @@ def test_ldexp_rounded_is_the_exact_product_rounded_once():
         want = (x.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
     got = np.asarray(_bits.ldexp_rounded(x, k))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "x, y",
+    [
+        (128, np.arange(6, dtype=np.int32)),
+        (np.nan, np.linspace(-1, 1, 6, dtype=np.float32)),
+        (np.arange(6, dtype=np.float32), -np.inf),
+        (64, 0),
+        (jnp.float32(0), jnp.float32(2.5)),
+    ],
+)
+def test_where_equals_jnp_where_bit_for_bit(x, y):
+    c = jnp.arange(6) % 2 == 0
+    got, want = _bits.where(c, x, y), jnp.where(c, x, y)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+def test_where_constants_are_not_hoisted_out_of_a_scan():
+    """A literal broadcast in jnp.where becomes a residual that lax.scan hoists out of the loop,
+    full size; _bits.where's constants are built from the operand and stay in the loop."""
+
+    def hoisted(select):
+        def body(h, w):
+            return select(h @ w > 0, 1.0, h @ w), None
+
+        def loss(ws, x):
+            policy = jax.checkpoint_policies.nothing_saveable
+            return lax.scan(jax.checkpoint(body, policy=policy), x, ws)[0].sum()
+
+        eqns = jax.make_jaxpr(jax.grad(loss))(jnp.ones((3, 16, 16)), jnp.ones((8, 16))).eqns
+        before = eqns[: [e.primitive.name for e in eqns].index("scan")]
+        return [v.aval.shape for e in before for v in e.outvars if v.aval.shape == (8, 16)]
+
+    assert hoisted(jnp.where)  # the pitfall this guards against
+    assert not hoisted(_bits.where)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmx._src.core.dtypes import as_array
@@ -24,6 +26,58 @@ MANTISSA_BITS = 23
 MANTISSA_MASK = (1 << MANTISSA_BITS) - 1
 EXPONENT_BIAS = 127
 E8M0_NAN = 0xFF
+
+
+def where(condition, x, y) -> jnp.ndarray:
+    """``jnp.where(condition, x, y)``, with a constant operand (a Python or 0-d scalar) filled in
+    from the other operands' elements instead of broadcast from a literal (:func:`filled_like`).
+
+    A literal broadcast depends on nothing, so JAX's partial evaluation puts it in the known part
+    of a linearized or rematerialized function, where it becomes a residual; ``lax.scan`` hoists
+    such a loop-invariant residual out of the loop, materialized at full size (one float32 or
+    int32 per element of every quantized tensor). The filled constant is the same value, and XLA
+    folds it back to a broadcast inside the loop.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> where(jnp.array([True, False]), 128, jnp.array([1, 2])).tolist()
+        [128, 2]
+    """
+    constant = [_is_constant(v) for v in (x, y)]
+    if not any(constant):
+        return jnp.where(condition, x, y)
+    dtype = jnp.result_type(x, y)
+    arrays = [v for v, c in zip((x, y), constant, strict=True) if not c]
+    ref = arrays[0] if arrays else jnp.asarray(condition)
+    x, y = (filled_like(ref, v, dtype) if c else v for v, c in zip((x, y), constant, strict=True))
+    return jnp.where(condition, x, y)
+
+
+def filled_like(ref: jnp.ndarray, value, dtype) -> jnp.ndarray:
+    """``value`` in ``dtype``, shaped like ``ref`` and computed from its bits (``bits & 0 | value``,
+    exact; XLA folds it to a broadcast of ``value``)."""
+    dtype = jnp.dtype(dtype)
+    unsigned = jnp.dtype(f"uint{dtype.itemsize * 8}")
+    ref = jnp.asarray(ref)
+    if ref.dtype == jnp.bool_:
+        ref_bits = ref.astype(unsigned)
+    else:
+        ref_bits = lax.bitcast_convert_type(ref, jnp.dtype(f"uint{ref.dtype.itemsize * 8}"))
+        ref_bits = ref_bits.astype(unsigned)
+    pattern = np.asarray(value, dtype).view(unsigned)
+    out = (ref_bits & unsigned.type(0)) | pattern
+    return out.astype(dtype) if dtype == jnp.bool_ else lax.bitcast_convert_type(out, dtype)
+
+
+def _is_constant(v) -> bool:
+    """Whether ``v`` is a scalar known at trace time (a Python or NumPy scalar, a 0-d array)."""
+    if isinstance(v, (bool, int, float, np.generic)):
+        return True
+    return (
+        isinstance(v, (np.ndarray, jax.Array))
+        and np.ndim(v) == 0
+        and not isinstance(v, jax.core.Tracer)
+    )
 
 
 def to_bits(x: jnp.ndarray) -> jnp.ndarray:
@@ -75,7 +129,7 @@ def pow2(k: jnp.ndarray) -> jnp.ndarray:
     """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
     k = k.astype(jnp.int32)
     normal = from_bits(jnp.clip(k + EXPONENT_BIAS, 1, 255) << MANTISSA_BITS)
-    return jnp.where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
+    return where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
 
 
 def exponent_and_mantissa(amax_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -93,8 +147,8 @@ def exponent_and_mantissa(amax_bits: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndar
     field = amax_bits >> MANTISSA_BITS
     # a subnormal is m * 2^-149; m < 2^23 converts to float32 exactly, as a normal float
     m_bits = to_bits((amax_bits & MANTISSA_MASK).astype(jnp.float32))
-    exponent = jnp.where(field == 0, (m_bits >> MANTISSA_BITS) - 149, field)
-    mantissa = jnp.where(field == 0, m_bits & MANTISSA_MASK, amax_bits & MANTISSA_MASK)
+    exponent = where(field == 0, (m_bits >> MANTISSA_BITS) - 149, field)
+    mantissa = where(field == 0, m_bits & MANTISSA_MASK, amax_bits & MANTISSA_MASK)
     return exponent, mantissa
 
 
@@ -110,7 +164,7 @@ def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jn
     """
     exponent = exponent_and_mantissa(amax_bits)[0] if emax < 1 else amax_bits >> MANTISSA_BITS
     byte = jnp.clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
-    return jnp.where(exponent == 0xFF, E8M0_NAN, byte)
+    return where(exponent == 0xFF, E8M0_NAN, byte)
 
 
 def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -125,11 +179,11 @@ def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     bits = to_bits(x)
     is_subnormal = (bits & 0x7F800000) == 0
     magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
-    from_subnormal = jnp.where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
+    from_subnormal = where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
     exponent = (bits >> MANTISSA_BITS) & 0xFF
     by_field = (k == -127) & (exponent > 127) & (exponent < 0xFF)  # the result is normal
-    normal = jnp.where(by_field, from_bits(bits - (127 << MANTISSA_BITS)), x * pow2(k))
-    return jnp.where(is_subnormal, from_subnormal, normal)
+    normal = where(by_field, from_bits(bits - (127 << MANTISSA_BITS)), x * pow2(k))
+    return where(is_subnormal, from_subnormal, normal)
 
 
 _division = contextvars.ContextVar("jaxmx_division", default=None)
@@ -184,10 +238,10 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     significand = (bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
     shift = jnp.clip(1 - new_exponent, 0, 31)
     subnormal = sign | (significand >> shift)
-    out = jnp.where(new_exponent >= 1, normal, subnormal)
-    out = jnp.where(new_exponent >= 0xFF, sign | 0x7F800000, out)
+    out = where(new_exponent >= 1, normal, subnormal)
+    out = where(new_exponent >= 0xFF, sign | 0x7F800000, out)
     passthrough = (exponent == 0) | (exponent == 0xFF)  # zeros, NaN and inf elements
-    return from_bits(jnp.where(passthrough, bits, out))
+    return from_bits(where(passthrough, bits, out))
 
 
 def ldexp_rounded(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
@@ -201,7 +255,7 @@ def ldexp_rounded(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     bits = to_bits(x)
     sign = bits & jnp.int32(-(2**31))
     exponent = (bits >> MANTISSA_BITS) & 0xFF
-    significand = (bits & MANTISSA_MASK) | jnp.where(exponent > 0, 1 << MANTISSA_BITS, 0)
+    significand = (bits & MANTISSA_MASK) | where(exponent > 0, 1 << MANTISSA_BITS, 0)
     # a subnormal x, normalized: the leading bit moved to bit 23, the exponent lowered to match
     lead = jnp.maximum(lax.clz(significand) - (31 - MANTISSA_BITS), 0)
     significand = significand << lead
@@ -213,10 +267,10 @@ def ldexp_rounded(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     rest = significand & ((1 << s) - 1)
     half = 1 << (s - 1)
     q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(jnp.int32)
-    out = jnp.where(new_exponent >= 1, normal, sign | q)  # a carry to 2^23 is 2^-126: right
-    out = jnp.where(new_exponent > 0xFE, sign | 0x7F800000, out)
+    out = where(new_exponent >= 1, normal, sign | q)  # a carry to 2^23 is 2^-126: right
+    out = where(new_exponent > 0xFE, sign | 0x7F800000, out)
     passthrough = (exponent == 0xFF) | ((bits & 0x7FFFFFFF) == 0)
-    return from_bits(jnp.where(passthrough, bits, out))
+    return from_bits(where(passthrough, bits, out))
 
 
 def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
@@ -241,12 +295,12 @@ def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     rest = p & ((1 << s) - 1)
     half = 1 << (s - 1)
     q = q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).astype(jnp.int32)
-    q = jnp.where(shift == 31, (p > (1 << 30)).astype(jnp.int32), q)
-    q = jnp.where(shift > 31, 0, q)
+    q = where(shift == 31, (p > (1 << 30)).astype(jnp.int32), q)
+    q = where(shift > 31, 0, q)
     sign = (a_bits ^ b_bits) & jnp.int32(-(2**31))
     tiny = from_bits(q | sign)
     normal_inputs = (a_exp > 0) & (a_exp < 0xFF) & (b_exp > 0) & (b_exp < 0xFF)
-    return jnp.where(normal_inputs & (shift >= 7), tiny, product)
+    return where(normal_inputs & (shift >= 7), tiny, product)
 
 
 def round_to_grid(v: jnp.ndarray, mbits: int, emin: int) -> jnp.ndarray:
@@ -293,8 +347,8 @@ def encode_fp8(
     subnormal = magnitude * 2.0 ** (mbits - emin)
     if not on_grid:
         subnormal = lax.round(subnormal, lax.RoundingMethod.TO_NEAREST_EVEN)
-    code = jnp.where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
-    code = jnp.where(jnp.isnan(v), (1 << (width - 1)) - 1, code) | sign
+    code = where(magnitude < 2.0**emin, subnormal.astype(jnp.int32), normal)
+    code = where(jnp.isnan(v), (1 << (width - 1)) - 1, code) | sign
     return code.astype(jnp.uint8)
 
 
@@ -313,11 +367,11 @@ def decode_fp8(
     shift = MANTISSA_BITS - mbits
     normal = (magnitude + ((EXPONENT_BIAS - (1 - emin)) << mbits)) << shift
     subnormal = to_bits(magnitude.astype(jnp.float32) * 2.0 ** (emin - mbits))
-    out = from_bits(jnp.where(magnitude < (1 << mbits), subnormal, normal) | sign)
+    out = from_bits(where(magnitude < (1 << mbits), subnormal, normal) | sign)
     if ieee_specials:
         top = 0x7F - (1 << mbits) + 1  # exponent all ones, mantissa zero: inf
-        out = jnp.where(magnitude == top, jnp.where(sign != 0, -jnp.inf, jnp.inf), out)
-        return jnp.where(magnitude > top, jnp.nan, out)
+        out = where(magnitude == top, where(sign != 0, -jnp.inf, jnp.inf), out)
+        return where(magnitude > top, jnp.nan, out)
     if width < 8:
         return out
-    return jnp.where(magnitude == 0x7F, jnp.nan, out)
+    return where(magnitude == 0x7F, jnp.nan, out)

@@ -114,5 +114,5 @@ def _without_padding(scaled, q, blocked):
         index = lax.broadcasted_iota(jnp.int32, blocked, k) * f.block + lax.broadcasted_iota(
             jnp.int32, blocked, k + 1
         )
-        scaled = jnp.where(index < q.shape[q.axis], scaled, 0)
+        scaled = bits.where(index < q.shape[q.axis], scaled, 0)
     return scaled

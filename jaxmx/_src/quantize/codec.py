@@ -40,7 +40,7 @@ def to_grid(values: jax.Array, f: Format) -> jax.Array:
         [0.296875, 0.0, 1.0]
     """
     on_grid = bits.round_to_grid(values, f.mbits, f.emin)
-    return jnp.where(on_grid == 0, 0.0, on_grid) if f.is_integer else on_grid
+    return bits.where(on_grid == 0, 0.0, on_grid) if f.is_integer else on_grid
 
 
 def integer_codes(on_grid: jax.Array, f: Format) -> jax.Array:
@@ -53,7 +53,7 @@ def integer_codes(on_grid: jax.Array, f: Format) -> jax.Array:
         >>> integer_codes(jnp.array([0.296875, -1.984375]), get_format("mxint8")).tolist()
         [19, -127]
     """
-    units = jnp.where(jnp.isnan(on_grid), 0.0, on_grid * 2.0**f.mbits)  # exact
+    units = bits.where(jnp.isnan(on_grid), 0.0, on_grid * 2.0**f.mbits)  # exact
     return units.astype(f.dtype)
 
 
@@ -75,4 +75,4 @@ def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
 def scale_back(values: jax.Array, byte: jax.Array) -> jax.Array:
     """``values * 2^(byte - 127)`` exactly (subnormals included), NaN where ``byte`` is 0xFF."""
     k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
-    return jnp.where(byte == bits.E8M0_NAN, jnp.nan, bits.ldexp_exact(values, k))
+    return bits.where(byte == bits.E8M0_NAN, jnp.nan, bits.ldexp_exact(values, k))

@@ -45,7 +45,7 @@ def global_scale_of(amax_bits: jax.Array) -> jax.Array:
     """``g`` of a tensor whose largest magnitude has the float32 bits ``amax_bits`` (a scalar)."""
     amax = bits.from_bits(amax_bits)
     g = jnp.maximum(bits.divide(amax, GLOBAL_DIVISOR), jnp.float32(MIN_GLOBAL_SCALE))
-    return jnp.where(amax_bits >= 0x7F800000, jnp.nan, g)
+    return bits.where(amax_bits >= 0x7F800000, jnp.nan, g)
 
 
 def checked_global_scale(g, f: Format) -> jax.Array | None:
@@ -80,14 +80,14 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
         g = global_scale_of(jnp.max(block_amax_bits, initial=0))  # an empty x: as all-zero
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
-    s = jnp.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
+    s = bits.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
     # s >= 2^-6 is never an E4M3 subnormal: only subnormals would be rounded by `round` (which
     # Pallas' Triton lowering lacks)
     scale_codes = bits.encode_fp8(s, mbits=3, emin=-6, on_grid=True)
     s = block_scales(scale_codes)
     scaled = scaled_elements(xb, s, g)
     values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
-    return scale_codes, jnp.where(jnp.isnan(s), 0.0, values), g
+    return scale_codes, bits.where(jnp.isnan(s), 0.0, values), g
 
 
 def block_scales(scale: jax.Array) -> jax.Array:
@@ -102,7 +102,7 @@ def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:
     broadcast against ``xb``)."""
     r = jnp.minimum(bits.divide(bits.divide(1.0, g), s), _FLOAT32_MAX)
     # where r >= 2^64, as (x * 2^64) * (r * 2^-64) so that a subnormal x is not flushed
-    boost = jnp.where(r >= 2.0**_BOOST, _BOOST, 0)
+    boost = bits.where(r >= 2.0**_BOOST, _BOOST, 0)
     return bits.scale_by_pow2(xb, boost) * (r * bits.pow2(-boost))
 
 
@@ -113,11 +113,11 @@ def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     # amax / 6 is subnormal below 6 * 2^-126: then amax * 2^149 is an integer n < 2^26, and the
     # quotient's bits are n / 6 rounded to nearest even
     exponent = amax_bits >> bits.MANTISSA_BITS
-    significand = (amax_bits & bits.MANTISSA_MASK) | jnp.where(exponent > 0, 1 << 23, 0)
+    significand = (amax_bits & bits.MANTISSA_MASK) | bits.where(exponent > 0, 1 << 23, 0)
     n = significand << jnp.clip(exponent - 1, 0, 2)
     q, rest = n // 6, n % 6
     q = q + ((rest > 3) | ((rest == 3) & (q % 2 == 1))).astype(jnp.int32)
-    sixth = jnp.where(amax < 6.0 * 2.0**-126, bits.from_bits(q), sixth)
+    sixth = bits.where(amax < 6.0 * 2.0**-126, bits.from_bits(q), sixth)
     # sixth / g, both scaled by 2^64 where sixth is subnormal (the quotient is unchanged)
-    boost = jnp.where(exponent <= 3, _BOOST, 0)  # covers every subnormal sixth
+    boost = bits.where(exponent <= 3, _BOOST, 0)  # covers every subnormal sixth
     return bits.divide(bits.scale_by_pow2(sixth, boost), g * bits.pow2(boost))

@@ -44,4 +44,4 @@ def round_stochastically(scaled, f: Format, noise):
     # to the next integer and move an exactly representable value (p ~ 2^-21)
     up = (noise < units - whole).astype(jnp.float32)  # units - whole is exact
     rounded = (whole + up) * bits.pow2(quantum_exp)
-    return jnp.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)
+    return bits.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)

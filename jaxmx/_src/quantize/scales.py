@@ -53,7 +53,7 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
         byte = jnp.max(byte_of(magnitude_bits), axis=2, keepdims=True)
     else:
         byte = byte_of(jnp.max(magnitude_bits, axis=2, keepdims=True))
-    exponent = jnp.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
+    exponent = bits.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
     scaled = bits.scale_by_pow2(xb, -exponent)
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
@@ -75,10 +75,10 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     # zero tested field by field: XLA:CPU may turn `bits == 0` into a float compare, which
     # treats a subnormal amax as zero
     all_zero = (exponent == 0) & ((amax_bits & bits.MANTISSA_MASK) == 0)
-    scale = jnp.where(exponent == 0xFF, jnp.nan, jnp.where(all_zero, 1.0, scale))
+    scale = bits.where(exponent == 0xFF, jnp.nan, bits.where(all_zero, 1.0, scale))
     # x / s as the quotient of normal floats: both scaled by 2^64 where s is tiny, so no
     # subnormal operand meets a flushing division (the quotient is unchanged)
-    boost = jnp.where(scale < 2.0**-60, 64, 0)
+    boost = bits.where(scale < 2.0**-60, 64, 0)
     scaled = bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
@@ -142,7 +142,7 @@ class _E8M0Rule:
         # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
         scaled = values * bits.pow2(jnp.maximum(relative, -126))
         scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
-        scaled = jnp.where(nan, jnp.nan, scaled)
+        scaled = bits.where(nan, jnp.nan, scaled)
         return scaled, row_max
 
 
@@ -159,7 +159,7 @@ def relative_exponents(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, 
     """
     byte = scale_exponent_bytes(scale)
     nan = byte == bits.E8M0_NAN
-    exponent = jnp.where(nan, 0, byte) - bits.EXPONENT_BIAS
+    exponent = bits.where(nan, 0, byte) - bits.EXPONENT_BIAS
     # over K, per row (an empty K gives the smallest exponent)
     row_max = jnp.max(exponent, axis=k, keepdims=True, initial=-bits.EXPONENT_BIAS)
     return exponent - row_max, jnp.squeeze(row_max, k), nan
@@ -184,7 +184,7 @@ class _Float32Rule:
         :func:`~jaxmx._src.core.bits.multiply_exact` rounds the product, subnormal or not; normal
         products are the plain float32 product."""
         scale = jnp.broadcast_to(scale, values.shape)
-        boost = jnp.where((bits.to_bits(scale) & 0x7F800000) == 0, 64, 0)
+        boost = bits.where((bits.to_bits(scale) & 0x7F800000) == 0, 64, 0)
         return bits.multiply_exact(
             bits.scale_by_pow2(values, -boost), bits.scale_by_pow2(scale, boost)
         )
@@ -262,11 +262,11 @@ def current_scale(amax_bits, f: Format, scale_mode: str):
     floor_bits = int(floor.view(np.uint32))
     at_floor = np.float32(f.elem_max / AMAX_FLOOR)  # float64 quotient, rounded once
     large = amax_bits >= floor_bits
-    scale = bits.divide(f.elem_max, jnp.where(large, amax, 1.0))
-    scale = jnp.where(large, scale, at_floor)
+    scale = bits.divide(f.elem_max, bits.where(large, amax, 1.0))
+    scale = bits.where(large, scale, at_floor)
     if scale_mode == "pow2":  # 2^floor(log2(scale)): the scale is normal, drop its mantissa
         scale = bits.from_bits(bits.to_bits(scale) & ~bits.MANTISSA_MASK)
-    return jnp.where((amax_bits >> bits.MANTISSA_BITS) == 0xFF, jnp.nan, scale)
+    return bits.where((amax_bits >> bits.MANTISSA_BITS) == 0xFF, jnp.nan, scale)
 
 
 @dataclasses.dataclass(frozen=True)

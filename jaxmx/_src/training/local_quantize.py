@@ -38,8 +38,11 @@ from jaxmx._src.quantize.quantize import quantize
 
 def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int]) -> MXArray:
     """``quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)`` of ``w`` [..., N, K],
-    each device quantizing its own whole tiles."""
+    each device quantizing its own whole tiles. Formats with a tensor scale (NVFP4) are refused:
+    that scale depends on every shard."""
     f = get_format(fmt)
+    if f.has_global_scale:
+        raise ValueError(f"local_quantize: {fmt} has a tensor scale over all shards")
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape)(w)
     return MXArray(
         bits.from_bytes(data, f.dtype),

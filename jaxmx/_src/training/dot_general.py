@@ -407,12 +407,13 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     g_col = _Operand(_wgrad_input(g, r), r.grad, -2, col_key)  # along M
     g_dgrad, g_wgrad = _gradient_copies(r, g_row, g_col)
     dx = _gemm(r, g_dgrad, w_col, static.lhs_dtype)  # [B, M, K], reduces N
+    w_like = jax.tree.leaves(w_saved)[0]  # laid out like the weight: dw's sharding
     if r.wgrad == "high_precision":
         dw = _high_precision_wgrad(g, x_col, static)
     elif static.rhs_k_first:
-        dw = _gemm(r, x_col, g_wgrad, static.rhs_dtype)  # [B, K, N], reduces M
+        dw = _gemm(r, x_col, g_wgrad, static.rhs_dtype, like=w_like)  # [B, K, N], reduces M
     else:
-        dw = _gemm(r, g_wgrad, x_col, static.rhs_dtype)  # [B, N, K], reduces M
+        dw = _gemm(r, g_wgrad, x_col, static.rhs_dtype, like=w_like)  # [B, N, K], reduces M
     tap_ct = _observed_gradient(static, g_row, g_col)
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None, tap_ct
 
@@ -511,7 +512,12 @@ class _Operand(NamedTuple):
 
 
 def _gemm(
-    r: Recipe, a: _Operand | MXArray, b: _Operand | MXArray, out_dtype, forward: bool = False
+    r: Recipe,
+    a: _Operand | MXArray,
+    b: _Operand | MXArray,
+    out_dtype,
+    forward: bool = False,
+    like=None,
 ) -> jax.Array:
     """The GEMM of two operands, each an MXArray (a residual, a tiled weight) or an
     :class:`_Operand`, on the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses.
@@ -525,6 +531,9 @@ def _gemm(
     ``forward``: the forward GEMM, whose native per-tensor / per-row FP8 GEMM runs with
     cuBLASLt's fast accumulation (:data:`~jaxmx._src.gemm.matmul.FORWARD_KERNELS`, as
     TransformerEngine does); the dgrad and wgrad GEMMs keep the split accumulator.
+
+    ``like``: for the wgrad GEMM, an array laid out like the weight, from which a partitioned
+    GEMM's result takes its sharding (:func:`~jaxmx._src.training.gathered.gathered_gemm`).
     """
     chosen = kernels(
         Gemm(
@@ -550,7 +559,9 @@ def _gemm(
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
     if len(chosen) == 1 and _gathers_8bit(chosen["default"], a, b):
-        return gathered_gemm(chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward)
+        return gathered_gemm(
+            chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward, like
+        )
     if len(chosen) == 1:
         return branch(chosen["default"])()
     return lax.platform_dependent(**{p: branch(kernel) for p, kernel in chosen.items()})

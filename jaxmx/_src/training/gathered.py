@@ -15,6 +15,16 @@ take a mesh axis once) and, for each dimension of an operand that the plan un-sh
 - an MXArray (a residual copy, a tiled or per-tensor weight) has its codes and scales gathered as
   ``uint8`` (float32 scales as they are: one per row or tensor).
 
+Propagation (Shardy, the rule's factors): the result's rows follow the lhs rows (M) and the rhs
+rows (N), but N is declared a permutation factor, which Shardy's op-priority propagation moves
+only after the pass-through factors. So where one mesh axis shards both (FSDP: the batch and the
+weight's rows), the result takes the lhs's sharding, as the plan does, and N still reaches the
+result where its axis is free (tensor parallelism). A weight-gradient GEMM is given ``like``, an
+array of the result's shape laid out like the weight (its saved copy's codes, never read or
+moved): its result takes the weight's sharding from it and not from the operands, whose rows
+would otherwise carry the weight's sharding back into the output gradient (an all-to-all of
+float32 values, then a gather of the other operand along the batch).
+
 A dimension whose shards would cut a block, or that does not divide into equal shards, is left
 to XLA (it reshards the operand as given, high precision for a high-precision operand) with one
 warning naming the operand and the axis. On one device the rule runs the per-device function as
@@ -88,10 +98,14 @@ def quantized_inside(fmt: str, key) -> bool:
     return get_format(fmt).span == "block" and key is None
 
 
-def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False) -> jax.Array:
+def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None) -> jax.Array:
     """The emulated GEMM ``kernel`` (a name of :data:`~jaxmx._src.gemm.matmul.KERNELS`) of ``a``
     and ``b`` (each a :class:`Quantized` operand or an MXArray, with one leading batch dim),
-    partitioned so that a gathered operand crosses devices as 8-bit codes and scales."""
+    partitioned so that a gathered operand crosses devices as 8-bit codes and scales.
+
+    ``like``: for a weight-gradient GEMM, an array laid out like the weight whose shape is the
+    result's; the result's sharding propagates from it alone (see the module docstring). One of
+    another shape (codes padded to whole blocks) is not used."""
     leaves, sides = [], []
     for op in (a, b):
         if isinstance(op, Quantized):
@@ -110,9 +124,12 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False) -> jax.Ar
             arrays = tuple(_travelling(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
-    na = len(leaves[0])
-    op = _partitioned(kernel, jnp.dtype(out_dtype), tuple(sides), na, forward)
-    return op(*leaves[0], *leaves[1])
+    rows = tuple(s.shape[-1] if s.k_first else s.shape[-2] for s in sides)
+    if like is not None and like.shape != (*sides[0].shape[:-2], *rows):
+        like = None
+    liked = like is not None
+    op = _partitioned(kernel, jnp.dtype(out_dtype), tuple(sides), len(leaves[0]), forward, liked)
+    return op(*leaves[0], *leaves[1], *((like,) if liked else ()))
 
 
 def _travelling(x):
@@ -133,7 +150,9 @@ def _restored(x, dtype):
 
 
 @functools.cache
-def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool):
+def _partitioned(
+    kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool, liked: bool
+):
     run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
     to_values = kernel == "emulate_values"
 
@@ -162,6 +181,7 @@ def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, fo
         return MXArray(data, scale, side.fmt, side.axis, shape, side.tile)
 
     def local(args, gathers, dtype):
+        args = args[:-1] if liked else args  # ``like`` only steers propagation
         a_gathers, b_gathers = (None, None) if gathers is None else (gathers[:na], gathers[na:])
         a = operand(sides[0], args[:na], a_gathers)
         b = operand(sides[1], args[na:], b_gathers)
@@ -172,7 +192,10 @@ def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, fo
         return local(args, None, out_dtype)
 
     def partition(mesh, arg_shapes, result_shape):
-        p, shardings, gathers = _layout(mesh, arg_shapes, result_shape, sides, na)
+        shapes = arg_shapes[:-1] if liked else arg_shapes
+        p, shardings, gathers = _layout(mesh, shapes, result_shape, sides, na)
+        if liked:  # taken as it is: it is not read
+            shardings = (*shardings, arg_shapes[-1].sharding)
 
         def lower(*args):
             return reduced(p, lambda dtype: local(args, gathers, dtype), out_dtype)
@@ -180,12 +203,14 @@ def _partitioned(kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, fo
         return mesh, lower, p.result_sharding, shardings
 
     def infer(mesh, arg_shapes, result_shape):
-        return _layout(mesh, arg_shapes, result_shape, sides, na)[0].result_sharding
+        shapes = arg_shapes[:-1] if liked else arg_shapes
+        return _layout(mesh, shapes, result_shape, sides, na)[0].result_sharding
 
     gemm.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=_rule(sides),
+        sharding_rule=_rule(sides, liked),
+        permutation_factors=("n",),
         decode_shardings=False,
     )
     return jax.jit(vmappable(gemm, fold=None))
@@ -203,17 +228,21 @@ def _gather(x, gathers):
     return x
 
 
-def _rule(sides) -> str:
-    """The Shardy rule: the batch dims (``...``) are shared; the result's rows factors are those
-    of each operand's first array; every other dim has a factor of its own, so each operand
-    arrives with its own propagated sharding and the partition callback decides."""
+def _rule(sides, liked: bool) -> str:
+    """The Shardy rule: the batch dims (``...``) are shared; the result's rows factors ``m`` and
+    ``n`` are those of each operand's first array, or with ``liked`` those of the last operand
+    (``like``) alone; every other dim has a factor of its own, so each operand arrives with its
+    own propagated sharding and the partition callback decides. (``n`` is declared a
+    permutation factor in :func:`_partitioned`: see the module docstring.)"""
     specs, count = [], iter(range(1000))
     for i, side in enumerate(sides):
         for j, _ in enumerate(side.dtypes):
             pair = [f"f{next(count)}", f"f{next(count)}"]
-            if j == 0:
+            if j == 0 and not liked:
                 pair[1 if side.k_first else 0] = "mn"[i]
             specs.append("... " + " ".join(pair))
+    if liked:
+        specs.append("... m n")
     return ", ".join(specs) + " -> ... m n"
 
 

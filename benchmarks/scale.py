@@ -250,13 +250,14 @@ def run_layout(name: str, recipes: list[str], shapes: Shapes, repeats: int) -> N
             print(f"{r:>15} | refused: {refused[r]}")
             continue
         m, t = measured[r], times[r].seconds
-        ag = m.collectives.of("all-gather") / max(base.collectives.of("all-gather"), 1)
+        base_ag = base.collectives.of("all-gather")
+        ag = f"{m.collectives.of('all-gather') / base_ag:4.2f}" if base_ag else "   -"
         wire = _total(m.collectives) / max(_total(base.collectives), 1)
         cols = [by_dtype(m.collectives, k) for k in KINDS.values()]
         print(
             f"{r:>15} | {cols[0]:>18} | {cols[1]:>14} | {cols[2]:>14} | {cols[3]:>8} | "
             f"{m.temp / MIB:8.1f} | {m.arguments / MIB:8.1f} | {m.outputs / MIB:7.1f} | "
-            f"{t * 1e3:7.0f} | {ag:4.2f} | {wire:6.2f} | {m.temp / base.temp:6.2f} | "
+            f"{t * 1e3:7.0f} | {ag} | {wire:6.2f} | {m.temp / base.temp:6.2f} | "
             f"{t / times['bf16'].seconds:6.2f}"
         )
 

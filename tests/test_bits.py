@@ -1,4 +1,5 @@
-"""The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties."""
+"""The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties; the
+wire form of 8-bit data (to_wire / from_wire) bit for bit over every code."""
 
 import functools
 

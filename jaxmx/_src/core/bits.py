@@ -130,8 +130,8 @@ def to_wire(x: jnp.ndarray, *, all_bytes: bool = False) -> jnp.ndarray:
     bit: an 8-bit array (FP8 codes, E8M0 scales, int8) as ``uint8`` of the same shape, FP4 codes
     as their ``uint4`` bits, any other array as it is. :func:`from_wire` undoes it.
 
-    XLA:CPU widens 8-bit and 4-bit float collectives (to float32 and float16); the unsigned
-    integers move one byte per element (FP6 codes are ``uint8`` already).
+    XLA:CPU widens a collective of 8-bit or 4-bit floats (E4M3 and FP4 to float16, E8M0 to
+    float32); the unsigned integers move one byte per element (FP6 codes are ``uint8`` already).
 
     ``all_bytes``: an array wider than a byte (a float32 scale) too becomes ``uint8``, its bytes
     on a new trailing axis of its itemsize.
@@ -144,7 +144,7 @@ def to_wire(x: jnp.ndarray, *, all_bytes: bool = False) -> jnp.ndarray:
         (dtype('float32'), (2, 4))
     """
     x = jnp.asarray(x)
-    if x.dtype in (jnp.uint8, jnp.bool_):
+    if x.dtype == jnp.uint8:
         return x
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 4:
         return lax.bitcast_convert_type(x, jnp.uint4)

@@ -1,4 +1,7 @@
-"""The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties."""
+"""The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties; the
+wire form of 8-bit data (to_wire / from_wire) bit for bit over every code."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import jaxmx
 from jaxmx._src.core import bits as _bits
 
 FORMATS = [  # (dtype, mbits, emin, ieee specials, max)
@@ -95,3 +101,71 @@ def test_where_constants_are_not_hoisted_out_of_a_scan():
 
     assert hoisted(jnp.where)  # the pitfall this guards against
     assert not hoisted(_bits.where)
+
+
+# (dtype, its bit patterns, the wire dtype): every 8-bit and 4-bit dtype jaxmx stores codes or
+# scales in. FP6 codes are held in uint8 (XLA takes no float6 dtype), so uint8 covers them.
+WIRE_DTYPES = [
+    *((t, 256, np.uint8) for t in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu")),
+    ("int8", 256, np.uint8),
+    ("uint8", 256, np.uint8),
+    ("float4_e2m1fn", 16, ml_dtypes.uint4),
+]
+
+
+def every_code(name, count):
+    """Every bit pattern of ``name`` as a numpy array of it (ml_dtypes), and the patterns."""
+    patterns = np.arange(count, dtype=np.uint8)
+    return patterns.view(getattr(ml_dtypes, name, None) or np.dtype(name)), patterns
+
+
+@pytest.mark.parametrize("name, count, wire", WIRE_DTYPES)
+def test_to_wire_sends_the_bits_and_from_wire_restores_them(name, count, wire):
+    x, patterns = every_code(name, count)
+    sent = jax.jit(_bits.to_wire)(x)
+    assert sent.dtype == wire and sent.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(sent).astype(np.uint8), patterns)
+    back = jax.jit(_bits.from_wire, static_argnums=1)(sent, x.dtype)
+    assert back.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), patterns)
+
+
+PASSTHROUGH = [  # NaN payloads, -0, subnormals, infinities: bits must survive
+    np.array([0x7FC00001, 0x80000000, 1, 0xFF800000, 0x3F800000], np.uint32).view(np.float32),
+    np.array([0x7FC1, 0x8000, 1, 0xFF80], np.uint16).view(ml_dtypes.bfloat16),
+    np.array([-1, 0x7FFFFFFF, 0], np.int32),  # an int32 amax
+]
+
+
+@pytest.mark.parametrize("x", PASSTHROUGH, ids=lambda x: x.dtype.name)
+def test_wider_arrays_pass_as_they_are_or_as_their_bytes(x):
+    sent = _bits.to_wire(x)
+    assert sent.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(sent).view(np.uint8), x.view(np.uint8))
+    assert _bits.from_wire(sent, x.dtype) is sent
+    as_bytes = jax.jit(functools.partial(_bits.to_wire, all_bytes=True))(x)
+    want = x.view(np.uint8).reshape(*x.shape, x.dtype.itemsize)  # little-endian, as XLA's
+    np.testing.assert_array_equal(np.asarray(as_bytes), want)
+    back = _bits.from_wire(as_bytes, x.dtype)
+    assert back.dtype == x.dtype and back.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), x.view(np.uint8))
+
+
+@pytest.mark.parametrize("name, count, wire", WIRE_DTYPES)
+def test_an_all_gather_of_the_wire_form_moves_one_u8_byte_per_element(name, count, wire):
+    """XLA:CPU widens an 8-bit float all-gather to float32 (FP4: float16); the wire form moves
+    bytes (collective_bytes reads the compiled HLO)."""
+    mesh = jax.make_mesh((8,), ("x",))
+    x = np.resize(every_code(name, count)[0], (8, 32))
+    spec = NamedSharding(mesh, P("x"))
+
+    def gathered(a):
+        wire = jax.lax.all_gather(_bits.to_wire(a), "x", tiled=True)
+        return _bits.from_wire(wire, a.dtype)
+
+    f = jax.jit(jax.shard_map(gathered, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))
+    compiled = f.lower(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)).compile()
+    sent = jaxmx.diagnostics.collective_bytes(compiled).by_dtype("all-gather")
+    assert sent == {"u8": x.size}  # the gathered array, one byte per element
+    out = f(jax.device_put(x, spec))
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), x.view(np.uint8))

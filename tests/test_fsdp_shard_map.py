@@ -26,6 +26,7 @@ RECIPES = {
     "MXFP8": recipes.MXFP8,
     "MXFP8_2D": recipes.MXFP8_2D,
     "FP8_TENSORWISE": recipes.FP8_TENSORWISE,
+    "MXINT8": recipes.MXFP8.replace(fwd="mxint8", grad="mxint8"),  # int8 codes gathered as u8
 }
 F32_ROUNDING = 8 * 2.0**-24  # a few float32 roundings of the largest gradient entry
 
@@ -80,7 +81,12 @@ def test_matches_the_single_device_step(steps, name):
 
 @pytest.mark.parametrize(
     ("name", "planes", "scale_bytes"),
-    [("MXFP8", 2, N * K // 32), ("MXFP8_2D", 1, N * K // (32 * 32)), ("FP8_TENSORWISE", 1, 0)],
+    [
+        ("MXFP8", 2, N * K // 32),
+        ("MXFP8_2D", 1, N * K // (32 * 32)),
+        ("FP8_TENSORWISE", 1, 0),
+        ("MXINT8", 2, N * K // 32),
+    ],
 )
 def test_gathers_8_bit_codes_and_reduce_scatters_the_gradient(steps, name, planes, scale_bytes):
     compiled = steps(name)[0]

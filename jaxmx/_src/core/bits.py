@@ -125,6 +125,46 @@ def from_bytes(x: jnp.ndarray, dtype) -> jnp.ndarray:
     return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
+def to_wire(x: jnp.ndarray, *, all_bytes: bool = False) -> jnp.ndarray:
+    """``x`` as it crosses devices (a collective, a ``custom_partitioning`` boundary), bit for
+    bit: an 8-bit array (FP8 codes, E8M0 scales, int8) as ``uint8`` of the same shape, FP4 codes
+    as their ``uint4`` bits, any other array as it is. :func:`from_wire` undoes it.
+
+    XLA:CPU widens a collective of 8-bit or 4-bit floats (E4M3 and FP4 to float16, E8M0 to
+    float32); the unsigned integers move one byte per element (FP6 codes are ``uint8`` already).
+
+    ``all_bytes``: an array wider than a byte (a float32 scale) too becomes ``uint8``, its bytes
+    on a new trailing axis of its itemsize.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> to_wire(jnp.array([1.0, -2.0], jnp.float8_e4m3fn)).tolist()
+        [56, 192]
+        >>> to_wire(jnp.ones(2)).dtype, to_wire(jnp.ones(2), all_bytes=True).shape
+        (dtype('float32'), (2, 4))
+    """
+    x = jnp.asarray(x)
+    if x.dtype == jnp.uint8:
+        return x
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 4:
+        return lax.bitcast_convert_type(x, jnp.uint4)
+    if x.dtype.itemsize == 1 or all_bytes:
+        return lax.bitcast_convert_type(x, jnp.uint8)
+    return x
+
+
+def from_wire(x: jnp.ndarray, dtype) -> jnp.ndarray:
+    """The array of ``dtype`` that :func:`to_wire` sent as ``x`` (``x`` itself where its dtype
+    is ``dtype``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from_wire(jnp.array([56, 192], jnp.uint8), jnp.float8_e4m3fn).astype(float).tolist()
+        [1.0, -2.0]
+    """
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
 def pow2(k: jnp.ndarray) -> jnp.ndarray:
     """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
     k = k.astype(jnp.int32)

@@ -87,7 +87,7 @@ def partitioned_gemm(
         args = (a, b, a_scale, b_scale)
         dtypes = tuple(jnp.dtype(x.dtype) for x in args)
         op = _partitioned(per_shard, out_dtype, dtypes, where, block, tuple(k_first))
-        return op(*(bits.as_bytes(x) if x.dtype in bits.BYTE_DTYPES else x for x in args))
+        return op(*(bits.to_wire(x) for x in args))
 
     return gemm
 
@@ -95,7 +95,7 @@ def partitioned_gemm(
 @functools.cache
 def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int, k_first):
     def local(dtype, args):
-        return per_shard(dtype)(*(bits.from_bytes(x, t) for x, t in zip(args, dtypes, strict=True)))
+        return per_shard(dtype)(*(bits.from_wire(x, t) for x, t in zip(args, dtypes, strict=True)))
 
     @custom_partitioning
     def gemm(a, b, a_scale, b_scale):

@@ -291,10 +291,8 @@ def _gathered(q: MXArray, axis_name: str) -> MXArray:
     same on every shard and is not gathered."""
 
     def gather(a):
-        if a.dtype.itemsize != 1:
-            return lax.all_gather(a, axis_name, axis=1, tiled=True)
-        out = lax.all_gather(bits.as_bytes(a), axis_name, axis=1, tiled=True)
-        return bits.from_bytes(out, a.dtype)
+        out = lax.all_gather(bits.to_wire(a), axis_name, axis=1, tiled=True)
+        return bits.from_wire(out, a.dtype)
 
     n = lax.axis_size(axis_name)
     scale = q.scale if _per_tensor(q.fmt) else gather(q.scale)

@@ -54,7 +54,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
-from jaxmx._src.core.dtypes import from_bits, to_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
@@ -121,7 +120,7 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
                 "mx", op.fmt, op.axis, None, op.shape, op.tile, tuple(x.dtype for x in arrays)
             )
             side = side._replace(scale_batch=op.scale.shape[:-2])
-            arrays = tuple(_travelling(x) for x in arrays)
+            arrays = tuple(bits.to_wire(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
     rows = tuple(s.shape[-1] if s.k_first else s.shape[-2] for s in sides)
@@ -130,23 +129,6 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
     liked = like is not None
     op = _partitioned(kernel, jnp.dtype(out_dtype), tuple(sides), len(leaves[0]), forward, liked)
     return op(*leaves[0], *leaves[1], *((like,) if liked else ()))
-
-
-def _travelling(x):
-    """``x`` as it crosses devices: 8-bit arrays as ``uint8``, others as they are."""
-    if x.dtype in bits.BYTE_DTYPES:
-        return bits.as_bytes(x)
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1:  # FP4 / FP6 codes
-        return to_bits(x)
-    return x
-
-
-def _restored(x, dtype):
-    if x.dtype == dtype:
-        return x
-    if x.dtype == jnp.uint8 and jnp.dtype(dtype).itemsize == 1:
-        return bits.from_bytes(x, dtype)
-    return from_bits(x, dtype)
 
 
 @functools.cache
@@ -165,13 +147,14 @@ def _partitioned(
                 return quantizer(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             q = quantize(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             data, scale = (
-                _restored(_gather(_travelling(t), gathers[0]), t.dtype) for t in (q.data, q.scale)
+                bits.from_wire(_gather(bits.to_wire(t), gathers[0]), t.dtype)
+                for t in (q.data, q.scale)
             )
             shape = tuple(s * _count(g) for s, g in zip(x.shape, gathers[0], strict=True))
             return MXArray(data, scale, side.fmt, q.axis, shape)
         if gathers is not None:
             arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))
-        data, scale = (_restored(t, d) for t, d in zip(arrays, side.dtypes, strict=True))
+        data, scale = (bits.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True))
         nd = len(side.shape)
         for i, n in enumerate(side.scale_batch):  # undo the broadcast
             if n == 1:

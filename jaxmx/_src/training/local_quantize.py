@@ -22,7 +22,6 @@ import math
 import warnings
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,8 +44,8 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
         raise ValueError(f"local_quantize: {fmt} has a tensor scale over all shards")
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape)(w)
     return MXArray(
-        bits.from_bytes(data, f.dtype),
-        bits.from_bytes(scale, f.scale_dtype) if scale.dtype == jnp.uint8 else scale,
+        bits.from_wire(data, f.dtype),
+        bits.from_wire(scale, f.scale_dtype),
         fmt,
         w.ndim - 1,
         w.shape,
@@ -60,9 +59,7 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[
 
     def local(w):
         q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)
-        return tuple(
-            bits.as_bytes(t) if t.dtype in bits.BYTE_DTYPES else t for t in (q.data, q.scale)
-        )
+        return bits.to_wire(q.data), bits.to_wire(q.scale)
 
     @custom_partitioning
     def quantized(w):

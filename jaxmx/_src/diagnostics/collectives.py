@@ -9,8 +9,8 @@ after SPMD partitioning. An asynchronous pair (``all-gather-start`` / ``-done``)
 at its start; a start's result tuple holds its operands as well as its results, and only the
 results are counted.
 
-The dtype is the one on the wire: XLA:CPU widens bfloat16 and 8-bit float collectives to
-float32, which is why jaxmx sends its 8-bit codes and scales as ``uint8``.
+The dtype is the one on the wire: XLA:CPU widens bfloat16 collectives to float32 and 8-bit
+float ones to 16 or 32 bits, which is why jaxmx sends its 8-bit codes and scales as ``uint8``.
 
 Example:
     >>> text = '''

@@ -18,11 +18,11 @@ import jaxmx
 from jaxmx.diagnostics import collective_bytes
 
 DIMS = (((1,), (1,)), ((), ()))
-RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "MXFP4")
+RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "MXFP4", "NVFP4")
 
 
 def _recipe(name):
-    if name == "MXFP4":  # nearest rounding: no key to thread through the test
+    if name in ("MXFP4", "NVFP4"):  # nearest rounding: no key to thread through the test
         return jaxmx.recipes.MXFP4.replace(grad_rounding="nearest")
     return getattr(jaxmx.recipes, name)
 
@@ -184,3 +184,29 @@ def test_misaligned_shards_warn_and_match_one_device():
     messages = [str(c.message) for c in caught if "8-bit codes" in str(c.message)]
     assert messages and "'fsdp'" in messages[0] and "multiple of 32" in messages[0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_nvfp4_tensor_scales_span_the_shards():
+    """NVFP4 operands quantized inside the GEMMs (no weight tiles, nearest rounding): each
+    tensor scale is the whole tensor's, not a shard's; x's rows are scaled so that one shard
+    holds the tensor's amax. The step equals one device and gathers no float32."""
+    recipe = jaxmx.Recipe(fwd="nvfp4", grad="nvfp4", scale_mode="e4m3", grad_rounding="nearest")
+    k = jax.random.split(jax.random.key(3), 2)
+    w = jax.random.normal(k[0], (N, K)) * 0.05
+    x = jax.random.normal(k[1], (M, K)).at[: M // 8].multiply(100.0)
+
+    def loss(w, x):
+        y = jaxmx.dot_general(x, w, DIMS, recipe=recipe, preferred_element_type=jnp.float32)
+        return jnp.mean(y**2)
+
+    want = jax.jit(jax.value_and_grad(loss))(*jax.device_put((w, x), jax.devices()[0]))
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    w_s = jax.device_put(w, NamedSharding(mesh, P("fsdp", None)))
+    x_s = jax.device_put(x, NamedSharding(mesh, P("fsdp", None)))
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(w_s, x_s).compile()
+    got = compiled(w_s, x_s)
+    b = collective_bytes(compiled)
+    assert b.of("all-gather", "f32") + b.of("all-gather", "bf16") < 0.02 * w.size, b
+    assert b.of("all-gather", "u8") > 0, b
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)

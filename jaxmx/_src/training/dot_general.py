@@ -558,7 +558,7 @@ def _gemm(
         run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
-    if len(chosen) == 1 and _gathers_8bit(chosen["default"], a, b):
+    if len(chosen) == 1 and _gathers_8bit(chosen["default"]):
         return gathered_gemm(
             chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward, like
         )
@@ -567,15 +567,12 @@ def _gemm(
     return lax.platform_dependent(**{p: branch(kernel) for p, kernel in chosen.items()})
 
 
-def _gathers_8bit(kernel: str, a, b) -> bool:
+def _gathers_8bit(kernel: str) -> bool:
     """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: an
-    emulation outside ``shard_map`` (whose arrays are already per-device) of operands without
-    an NVFP4 tensor scale."""
-    if kernel not in ("emulate", "emulate_values", "dequantized"):
-        return False
-    if jax.sharding.get_abstract_mesh().manual_axes:
-        return False
-    return all(getattr(q, "global_scale", None) is None for q in (a, b))
+    emulation outside ``shard_map`` (whose arrays are already per-device)."""
+    return kernel in ("emulate", "emulate_values", "dequantized") and not (
+        jax.sharding.get_abstract_mesh().manual_axes
+    )
 
 
 def _inside(r: Recipe, q: _Operand | MXArray):

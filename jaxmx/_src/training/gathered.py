@@ -13,7 +13,8 @@ take a mesh axis once) and, for each dimension of an operand that the plan un-sh
   ``uint8``; an operand that stays sharded is quantized straight to element values as on one
   device (``"emulate_values"``);
 - an MXArray (a residual copy, a tiled or per-tensor weight) has its codes and scales gathered as
-  ``uint8`` (float32 scales as they are: one per row or tensor).
+  ``uint8`` (FP4 codes as their 4-bit patterns; float32 scales as they are: one per row or
+  tensor, and NVFP4's tensor scale).
 
 Propagation (Shardy, the rule's factors): the result's rows follow the lhs rows (M) and the rhs
 rows (N), but N is declared a permutation factor, which Shardy's op-priority propagation moves
@@ -93,8 +94,10 @@ class _Side(NamedTuple):  # the static description of one operand
 def quantized_inside(fmt: str, key) -> bool:
     """Whether an operand of ``fmt`` (with a rounding ``key`` or None) may be quantized inside
     the rule, on its own shard: 1-D blocks, whose quantization a shard holding whole blocks
-    reproduces; per-tensor and per-row scales, and random bits, depend on the whole tensor."""
-    return get_format(fmt).span == "block" and key is None
+    reproduces; per-tensor and per-row scales, NVFP4's tensor scale, and random bits depend on
+    the whole tensor."""
+    f = get_format(fmt)
+    return f.span == "block" and not f.has_global_scale and key is None
 
 
 def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None) -> jax.Array:
@@ -111,11 +114,14 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
             side = _Side("hp", op.fmt, op.axis, op.scale_mode, op.x.shape, None, (op.x.dtype,))
             arrays = (op.x,)
         else:
-            if op.global_scale is not None:
-                raise NotImplementedError("gathered_gemm: NVFP4 operands")
-            # a per-tensor scale [1, 1, 1] travels broadcast over the batch dims, like its codes
-            scale = jnp.broadcast_to(op.scale, (*op.data.shape[:-2], *op.scale.shape[-2:]))
+            # a per-tensor scale [1, 1, 1] travels broadcast over the batch dims, like its codes,
+            # and so does an NVFP4 tensor scale (a scalar per stacked tensor) as [..., 1, 1]
+            batch = op.data.shape[:-2]
+            scale = jnp.broadcast_to(op.scale, (*batch, *op.scale.shape[-2:]))
             arrays = (op.data, scale)
+            if op.global_scale is not None:
+                g = op.global_scale.reshape(op.global_scale.shape + (1,) * len(op.shape))
+                arrays += (jnp.broadcast_to(g, (*batch, 1, 1)),)
             side = _Side(
                 "mx", op.fmt, op.axis, None, op.shape, op.tile, tuple(x.dtype for x in arrays)
             )
@@ -154,14 +160,17 @@ def _partitioned(
             return MXArray(data, scale, side.fmt, q.axis, shape)
         if gathers is not None:
             arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))
-        data, scale = (bits.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True))
+        data, scale, *tensor_scale = (
+            bits.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True)
+        )
         nd = len(side.shape)
-        for i, n in enumerate(side.scale_batch):  # undo the broadcast
+        for i, n in enumerate(side.scale_batch):  # undo the broadcasts
             if n == 1:
                 scale = lax.slice_in_dim(scale, 0, 1, axis=scale.ndim - nd + i)
+        g = tensor_scale[0][(..., *(0,) * nd)] if tensor_scale else None
         rows_k = tuple(min(a, b) for a, b in zip(data.shape[-2:], side.shape[-2:], strict=True))
         shape = (*data.shape[data.ndim - nd : -2], *rows_k)
-        return MXArray(data, scale, side.fmt, side.axis, shape, side.tile)
+        return MXArray(data, scale, side.fmt, side.axis, shape, side.tile, g)
 
     def local(args, gathers, dtype):
         args = args[:-1] if liked else args  # ``like`` only steers propagation

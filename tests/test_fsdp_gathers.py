@@ -15,6 +15,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxmx
+from jaxmx._src.core.dtypes import to_bits
+from jaxmx._src.training.local_quantize import local_quantize
 from jaxmx.diagnostics import collective_bytes
 
 DIMS = (((1,), (1,)), ((), ()))
@@ -210,3 +212,23 @@ def test_nvfp4_tensor_scales_span_the_shards():
     assert b.of("all-gather", "u8") > 0, b
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)
+
+
+def test_nvfp4_weight_tiles_quantized_where_the_shards_live():
+    """NVFP4 16x16 weight tiles of a weight sharded along both dims: each device quantizes its
+    own tiles with the whole weight's tensor scale (one reduced scalar amax); codes, scales and
+    tensor scale equal one device's, bit for bit, and no float32 tile is gathered."""
+    w = jax.random.normal(jax.random.key(4), (1, 128, 64)).at[0, :16].multiply(50.0)
+    want = jaxmx.quantize(w, "nvfp4", tile=(16, 16))
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    w_s = jax.device_put(w, NamedSharding(mesh, P(None, "data", "model")))
+    fn = jax.jit(lambda w: local_quantize(w, "nvfp4", "e4m3", (16, 16)))
+    compiled = fn.lower(w_s).compile()
+    got = compiled(w_s)
+    b = collective_bytes(compiled)
+    # no float32 tiles cross: only the (replicated) outputs' scales, a few dozen bytes
+    assert b.of("all-gather", "f32") == 0 and b.of("all-gather") < 0.01 * w.size, b
+    for leaf in ("data", "scale", "global_scale"):
+        np.testing.assert_array_equal(
+            to_bits(getattr(got, leaf)), to_bits(getattr(want, leaf)), err_msg=leaf
+        )

@@ -598,10 +598,9 @@ def _quantize(x, key=None, *, fmt: str, axis: int, scale_mode: str, to_values: b
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _tiled(w, fmt: str, r: Recipe) -> MXArray:
     """w [B, N, K] in ``r.weight_tile`` tiles: one copy for the forward and dgrad GEMMs, each
-    device quantizing the tiles of its shard (:func:`local_quantize`); NVFP4's tensor scale
-    spans every shard, so XLA partitions its quantization."""
+    device quantizing the tiles of its shard (:func:`local_quantize`)."""
     f = get_format(fmt)
-    if f.span != "block" or f.has_global_scale or jax.sharding.get_abstract_mesh().manual_axes:
+    if f.span != "block" or jax.sharding.get_abstract_mesh().manual_axes:
         return quantize(w, fmt, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
     return local_quantize(w, fmt, r.scale_mode, r.weight_tile)
 

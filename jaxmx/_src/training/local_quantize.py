@@ -5,7 +5,9 @@ weight sharded along both of its last dims are partitioned by gathering float32 
 devices. :func:`local_quantize` keeps the weight's sharding instead: every dim whose shards hold
 whole tiles stays sharded and each device quantizes its own tiles (the same codes and scales as
 one device: a tile's scale depends only on its own elements); a dim that would cut a tile is
-gathered first (by XLA, in high precision), with one warning naming the dim.
+gathered first (by XLA, in high precision), with one warning naming the dim. NVFP4's tensor
+scale depends on every shard: it is computed first (XLA reduces one scalar amax across the
+devices) and handed to each device's quantization.
 
 Example:
     >>> import jax.numpy as jnp
@@ -22,6 +24,7 @@ import math
 import warnings
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,17 +35,17 @@ from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.partitioning import spec_of
+from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.quantize import quantize
 
 
 def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int]) -> MXArray:
     """``quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)`` of ``w`` [..., N, K],
-    each device quantizing its own whole tiles. Formats with a tensor scale (NVFP4) are refused:
-    that scale depends on every shard."""
+    each device quantizing its own whole tiles (NVFP4: with the tensor scale of all of ``w``)."""
     f = get_format(fmt)
-    if f.has_global_scale:
-        raise ValueError(f"local_quantize: {fmt} has a tensor scale over all shards")
-    data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape)(w)
+    g = tensor_scale(w) if f.has_global_scale else None
+    args = (w,) if g is None else (w, g.reshape((1,) * w.ndim))
+    data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape, g is not None)(*args)
     return MXArray(
         bits.from_wire(data, f.dtype),
         bits.from_wire(scale, f.scale_dtype),
@@ -50,26 +53,41 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
         w.ndim - 1,
         w.shape,
         tuple(tile),
+        g,
     )
 
 
+def tensor_scale(w: jax.Array) -> jax.Array:
+    """NVFP4's float32 tensor scale of all of ``w``, as :func:`~jaxmx.quantize` computes it."""
+    magnitudes = bits.to_bits(w.astype(jnp.float32)) & 0x7FFFFFFF
+    return nvfp4.global_scale_of(jnp.max(magnitudes, initial=0))
+
+
 @functools.cache
-def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[int, ...]):
+def _partitioned(
+    fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[int, ...], tensor_scaled: bool
+):
     ndim = len(shape)
 
-    def local(w):
-        q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)
+    def local(w, *g):  # g: the tensor scale, shaped [1, ..., 1]
+        global_scale = g[0].reshape(()) if g else None
+        q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile, global_scale=global_scale)
         return bits.to_wire(q.data), bits.to_wire(q.scale)
 
     @custom_partitioning
-    def quantized(w):
-        return local(w)
+    def quantized(*args):
+        return local(*args)
 
     batched = jax.custom_batching.custom_vmap(quantized)
 
     @batched.def_vmap
-    def rule(axis_size, in_batched, w):  # custom_partitioning has no batching rule of its own
-        return _partitioned(fmt, scale_mode, tile, w.shape)(w), (True, True)
+    def rule(axis_size, in_batched, w, *g):  # custom_partitioning has no batching rule of its own
+        if any(in_batched[1:]):  # a tensor scale per vmapped weight: quantized one by one
+            axes = tuple(0 if b else None for b in in_batched)
+            return jax.vmap(local, in_axes=axes)(w, *g), (True, True)
+        w = w if in_batched[0] else jnp.broadcast_to(w, (axis_size, *w.shape))
+        g = tuple(x.reshape((1, *x.shape)) for x in g)
+        return _partitioned(fmt, scale_mode, tile, w.shape, tensor_scaled)(w, *g), (True, True)
 
     def layout(mesh, arg_shapes):
         (shape,) = arg_shapes
@@ -96,11 +114,12 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[
         return arg, (arg, arg)
 
     def partition(mesh, arg_shapes, result_shape):
-        arg, results = layout(mesh, arg_shapes)
-        return mesh, local, results, (arg,)
+        arg, results = layout(mesh, arg_shapes[:1])
+        replicated = (NamedSharding(mesh, P()),) * (len(arg_shapes) - 1)
+        return mesh, local, results, (arg, *replicated)
 
     def infer(mesh, arg_shapes, result_shape):
-        return layout(mesh, arg_shapes)[1]
+        return layout(mesh, arg_shapes[:1])[1]
 
     # the codes share the weight's factors (a padded dim has one of its own), the scales have
     # their own: the callback gives them the weight's sharding
@@ -110,10 +129,11 @@ def _partitioned(fmt: str, scale_mode: str, tile: tuple[int, int], shape: tuple[
         f"d{i}" if n == p else f"p{i}" for i, (n, p) in enumerate(zip(shape, padded, strict=True))
     ]
     scale = [f"s{i}" for i in range(ndim)]
+    operands = [" ".join(letters)] + [" ".join(f"g{i}" for i in range(ndim))] * tensor_scaled
     quantized.def_partition(
         partition=partition,
         infer_sharding_from_operands=infer,
-        sharding_rule=f"{' '.join(letters)} -> {' '.join(data)}, {' '.join(scale)}",
+        sharding_rule=f"{', '.join(operands)} -> {' '.join(data)}, {' '.join(scale)}",
         decode_shardings=False,
     )
     return jax.jit(batched)

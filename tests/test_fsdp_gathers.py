@@ -232,3 +232,14 @@ def test_nvfp4_weight_tiles_quantized_where_the_shards_live():
         np.testing.assert_array_equal(
             to_bits(getattr(got, leaf)), to_bits(getattr(want, leaf)), err_msg=leaf
         )
+
+
+def test_vmapped_nvfp4_weight_tiles_have_a_tensor_scale_each():
+    w = jax.random.normal(jax.random.key(5), (3, 1, 32, 32)).at[1].multiply(30.0)
+    got = jax.vmap(lambda w: local_quantize(w, "nvfp4", "e4m3", (16, 16)))(w)
+    for i in range(3):
+        want = jaxmx.quantize(w[i], "nvfp4", tile=(16, 16))
+        for leaf in ("data", "scale", "global_scale"):
+            np.testing.assert_array_equal(
+                to_bits(getattr(got, leaf)[i]), to_bits(getattr(want, leaf)), err_msg=leaf
+            )

@@ -82,12 +82,9 @@ def _partitioned(
 
     @batched.def_vmap
     def rule(axis_size, in_batched, w, *g):  # custom_partitioning has no batching rule of its own
-        if any(in_batched[1:]):  # a tensor scale per vmapped weight: quantized one by one
-            axes = tuple(0 if b else None for b in in_batched)
-            return jax.vmap(local, in_axes=axes)(w, *g), (True, True)
-        w = w if in_batched[0] else jnp.broadcast_to(w, (axis_size, *w.shape))
-        g = tuple(x.reshape((1, *x.shape)) for x in g)
-        return _partitioned(fmt, scale_mode, tile, w.shape, tensor_scaled)(w, *g), (True, True)
+        if tensor_scaled:  # a tensor scale per vmapped weight: quantized one by one
+            return jax.vmap(local)(w, *g), (True, True)
+        return _partitioned(fmt, scale_mode, tile, w.shape, tensor_scaled)(w), (True, True)
 
     def layout(mesh, arg_shapes):
         (shape,) = arg_shapes

@@ -169,3 +169,14 @@ def test_an_all_gather_of_the_wire_form_moves_one_u8_byte_per_element(name, coun
     assert sent == {"u8": x.size}  # the gathered array, one byte per element
     out = f(jax.device_put(x, spec))
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), x.view(np.uint8))
+
+
+def test_nibbles_pack_two_per_byte_low_first():
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 16, size=(3, 8), dtype=np.uint8)
+    packed = _bits.pack_nibbles(jnp.asarray(values, jnp.uint4))
+    want = values[:, 0::2] | (values[:, 1::2] << 4)  # element 2i low, 2i + 1 high
+    np.testing.assert_array_equal(np.asarray(packed), want)
+    back = _bits.unpack_nibbles(packed)
+    assert back.dtype == jnp.uint4
+    np.testing.assert_array_equal(np.asarray(back.astype(jnp.uint8)), values)

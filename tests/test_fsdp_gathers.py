@@ -9,6 +9,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
@@ -109,13 +110,15 @@ def test_gathers_are_8bit_and_match_one_device(recipe, layout, explicit, single)
     # no weight crosses in high precision (float32 per-row scales are 4 bytes per 256 elements)
     assert high < 0.02 * weight_elems, (recipe, layout, b)
     # three 8-bit planes gathered: w1's forward copy, w2's forward and dgrad copies (grad is
-    # taken of the weights only: no dgrad of w1), each 1 byte per element (an FP4 code travels
-    # in a byte) plus its scales (1/32 byte for 1-D 32-element blocks, ~0 for 2-D tiles and
-    # per-row / per-tensor scales); under fsdp_tp each device gathers over "data" only, half a
-    # weight. Nothing else is gathered, Auto axes included: no activation.
+    # taken of the weights only: no dgrad of w1), each 1 byte per element (FP4 codes two per
+    # byte: half of it) plus its scales (1/32 byte for 1-D 32-element blocks, ~0 for 2-D tiles
+    # and per-row / per-tensor scales); under fsdp_tp each device gathers over "data" only, half
+    # a weight. Nothing else is gathered, Auto axes included: no activation.
     r = _recipe(recipe)
-    one_d = jaxmx.FORMATS[r.fwd].span == "block" and not r.weight_tile
-    planes = 1.5 * (1 + (1 / jaxmx.FORMATS[r.fwd].block if one_d else 0))
+    f = jaxmx.FORMATS[r.fwd]
+    one_d = f.span == "block" and not r.weight_tile
+    code = 0.5 if ml_dtypes.finfo(f.dtype).bits == 4 else 1.0
+    planes = 1.5 * (code + (1 / f.block if one_d else 0))
     planes *= 0.5 if layout == "fsdp_tp" else 1
     per_elem = b.of("all-gather", "u8") / weight_elems
     assert planes - 0.01 < per_elem < planes + 0.01, (per_elem, b)

@@ -27,6 +27,7 @@ RECIPES = {
     "MXFP8_2D": recipes.MXFP8_2D,
     "FP8_TENSORWISE": recipes.FP8_TENSORWISE,
     "MXINT8": recipes.MXFP8.replace(fwd="mxint8", grad="mxint8"),  # int8 codes gathered as u8
+    "MXFP4": recipes.MXFP4.replace(grad_rounding="nearest", rht=False),  # FP4 codes two per byte
 }
 F32_ROUNDING = 8 * 2.0**-24  # a few float32 roundings of the largest gradient entry
 
@@ -86,13 +87,15 @@ def test_matches_the_single_device_step(steps, name):
         ("MXFP8_2D", 1, N * K // (32 * 32)),
         ("FP8_TENSORWISE", 1, 0),
         ("MXINT8", 2, N * K // 32),
+        ("MXFP4", 1, N * K // (32 * 32)),
     ],
 )
 def test_gathers_8_bit_codes_and_reduce_scatters_the_gradient(steps, name, planes, scale_bytes):
     compiled = steps(name)[0]
     b = jaxmx.diagnostics.collective_bytes(compiled)
     gathered = b.by_dtype("all-gather")
-    assert gathered == {"u8": planes * (N * K + scale_bytes)}  # per plane: 1.03 bytes per element
+    code_bytes = N * K // 2 if name == "MXFP4" else N * K
+    assert gathered == {"u8": planes * (code_bytes + scale_bytes)}  # MXFP8: 1.03 B per element
     assert b.by_dtype("reduce-scatter") == {"f32": N * K * 4 // 8}  # this shard's gradient
     if name == "FP8_TENSORWISE":  # the amaxes of x, w and the output gradient: one int32 each
         assert b.of("all-reduce", "s32") == 3 * 4

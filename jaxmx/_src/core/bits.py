@@ -165,6 +165,32 @@ def from_wire(x: jnp.ndarray, dtype) -> jnp.ndarray:
     return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
+def pack_nibbles(x: jnp.ndarray) -> jnp.ndarray:
+    """``uint8 [..., n / 2]``: the 4-bit values ``x`` (``uint4 [..., n]``, ``n`` even) two per
+    byte, element ``2i`` in the low nibble and ``2i + 1`` in the high one (CUDA's
+    ``__nv_fp4x2`` order). :func:`unpack_nibbles` undoes it.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> pack_nibbles(jnp.array([1, 2, 15, 0], jnp.uint4)).tolist()
+        [33, 15]
+    """
+    nibbles = x.astype(jnp.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_nibbles(x: jnp.ndarray) -> jnp.ndarray:
+    """``uint4 [..., 2 n]``: the nibbles of ``x`` (``uint8 [..., n]``), low nibble first.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> unpack_nibbles(jnp.array([33, 15], jnp.uint8)).astype(int).tolist()
+        [1, 2, 15, 0]
+    """
+    pairs = jnp.stack([x & 0xF, x >> 4], axis=-1)
+    return pairs.reshape(*x.shape[:-1], 2 * x.shape[-1]).astype(jnp.uint4)
+
+
 def pow2(k: jnp.ndarray) -> jnp.ndarray:
     """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
     k = k.astype(jnp.int32)

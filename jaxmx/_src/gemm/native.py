@@ -458,7 +458,7 @@ def _packed_codes(q: MXArray) -> jax.Array:
     nibbles = jnp.where(index < q.shape[-1], nibbles, jnp.uint8(0))
     pad = -nibbles.shape[-1] % FP4_K_MULTIPLE
     nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, pad)])
-    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return bits.pack_nibbles(nibbles)
 
 
 def _fp4_scales(q: MXArray) -> jax.Array:

@@ -58,6 +58,7 @@ from jaxmx._src.training.dot_general import (
     _tiled,
     _vma_like,
 )
+from jaxmx._src.training.gathered import all_gathered
 from jaxmx._src.training.higher_order import first_order_only
 
 _WHERE = "jaxmx.fsdp_dot_general"
@@ -291,8 +292,7 @@ def _gathered(q: MXArray, axis_name: str) -> MXArray:
     same on every shard and is not gathered."""
 
     def gather(a):
-        out = lax.all_gather(bits.to_wire(a), axis_name, axis=1, tiled=True)
-        return bits.from_wire(out, a.dtype)
+        return bits.from_wire(all_gathered(bits.to_wire(a), axis_name, 1), a.dtype)
 
     n = lax.axis_size(axis_name)
     scale = q.scale if _per_tensor(q.fmt) else gather(q.scale)

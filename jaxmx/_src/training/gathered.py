@@ -13,8 +13,8 @@ take a mesh axis once) and, for each dimension of an operand that the plan un-sh
   ``uint8``; an operand that stays sharded is quantized straight to element values as on one
   device (``"emulate_values"``);
 - an MXArray (a residual copy, a tiled or per-tensor weight) has its codes and scales gathered as
-  ``uint8`` (FP4 codes as their 4-bit patterns; float32 scales as they are: one per row or
-  tensor, and NVFP4's tensor scale).
+  ``uint8`` (FP4 codes two per byte; float32 scales as they are: one per row or tensor, and
+  NVFP4's tensor scale).
 
 Propagation (Shardy, the rule's factors): the result's rows follow the lhs rows (M) and the rhs
 rows (N), but N is declared a permutation factor, which Shardy's op-priority propagation moves
@@ -216,8 +216,19 @@ def _gather(x, gathers):
     """``x`` all-gathered (tiled) along each dim over the mesh axes ``gathers[dim]`` names."""
     for dim, axes in enumerate(gathers):
         if axes:
-            x = lax.all_gather(x, tuple(a for a, _ in axes), axis=dim, tiled=True)
+            x = all_gathered(x, tuple(a for a, _ in axes), dim)
     return x
+
+
+def all_gathered(x, axis_name, axis: int):
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)`` of an array in its wire form
+    (:func:`~jaxmx._src.core.bits.to_wire`); 4-bit codes (``uint4``) with an even last dim
+    travel two per byte."""
+    if x.dtype != jnp.uint4 or x.shape[-1] % 2:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    # whole pairs on every shard: the gathered pairs are the pairs of the gathered codes
+    packed = lax.all_gather(bits.pack_nibbles(x), axis_name, axis=axis, tiled=True)
+    return bits.unpack_nibbles(packed)
 
 
 def _rule(sides, liked: bool) -> str:

@@ -48,6 +48,13 @@ def global_scale_of(amax_bits: jax.Array) -> jax.Array:
     return bits.where(amax_bits >= 0x7F800000, jnp.nan, g)
 
 
+def tensor_scale(x: jax.Array) -> jax.Array:
+    """The tensor scale ``g`` of ``x`` (:func:`global_scale_of` of its largest magnitude), as
+    the quantizer computes it."""
+    amax_bits = jnp.max(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, initial=0)
+    return global_scale_of(amax_bits)
+
+
 def checked_global_scale(g, f: Format) -> jax.Array | None:
     """A user's ``global_scale`` as a float32 scalar (at least ``2^-126``), or None.
 

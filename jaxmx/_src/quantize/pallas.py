@@ -98,7 +98,7 @@ def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpre
     """(codes, scales, tensor scale or None) of :func:`jaxmx.quantize` by the kernels (checked
     arguments; ``g``: NVFP4's checked ``global_scale``, None to compute it)."""
     if f.has_global_scale and g is None:
-        g = tensor_scale(x)
+        g = nvfp4.tensor_scale(x)
     outer, size = math.prod(x.shape[:axis]), x.shape[axis]
     inner = math.prod(x.shape[axis + 1 :])
     if tile is not None:  # [outer, R, C] slabs, one scale per tile
@@ -131,7 +131,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
     ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
     m, k = x.shape
     nb_k, nb_m = ceil_div(k, f.block), ceil_div(m, f.block)
-    g = tensor_scale(x) if f.has_global_scale else None
+    g = nvfp4.tensor_scale(x) if f.has_global_scale else None
     row_key, col_key = copy_keys
     noise = (None, None)
     if row_key is not None:
@@ -148,13 +148,6 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
         col_codes[:k, : nb_m * f.block], col_scale[:k, :nb_m], f.name, 1, (k, m), None, g
     )
     return (row, col_t, *out[4:])
-
-
-def tensor_scale(x: jax.Array) -> jax.Array:
-    """NVFP4's tensor scale ``g`` of ``x`` (:func:`jaxmx._src.quantize.nvfp4.global_scale_of` of its
-    largest magnitude), as the XLA quantizer computes it."""
-    amax_bits = jnp.max(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, initial=0)
-    return nvfp4.global_scale_of(amax_bits)
 
 
 def quantize_2d(x, f: Format, scale_mode: str, block, noise=None, g=None, *, interpret: bool):

@@ -24,7 +24,6 @@ import math
 import warnings
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -43,7 +42,7 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
     """``quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)`` of ``w`` [..., N, K],
     each device quantizing its own whole tiles (NVFP4: with the tensor scale of all of ``w``)."""
     f = get_format(fmt)
-    g = tensor_scale(w) if f.has_global_scale else None
+    g = nvfp4.tensor_scale(w) if f.has_global_scale else None
     args = (w,) if g is None else (w, g.reshape((1,) * w.ndim))
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape, g is not None)(*args)
     return MXArray(
@@ -55,12 +54,6 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
         tuple(tile),
         g,
     )
-
-
-def tensor_scale(w: jax.Array) -> jax.Array:
-    """NVFP4's float32 tensor scale of all of ``w``, as :func:`~jaxmx.quantize` computes it."""
-    magnitudes = bits.to_bits(w.astype(jnp.float32)) & 0x7FFFFFFF
-    return nvfp4.global_scale_of(jnp.max(magnitudes, initial=0))
 
 
 @functools.cache

@@ -144,7 +144,7 @@ def to_wire(x: jnp.ndarray, *, all_bytes: bool = False) -> jnp.ndarray:
         (dtype('float32'), (2, 4))
     """
     x = jnp.asarray(x)
-    if x.dtype == jnp.uint8:
+    if x.dtype in (jnp.uint8, jnp.uint4):  # already on the wire
         return x
     if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits == 4:
         return lax.bitcast_convert_type(x, jnp.uint4)
@@ -162,7 +162,7 @@ def from_wire(x: jnp.ndarray, dtype) -> jnp.ndarray:
         >>> from_wire(jnp.array([56, 192], jnp.uint8), jnp.float8_e4m3fn).astype(float).tolist()
         [1.0, -2.0]
     """
-    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+    return from_bytes(x, dtype)  # the same bit view, whatever the wire dtype
 
 
 def pack_nibbles(x: jnp.ndarray) -> jnp.ndarray:

@@ -291,10 +291,9 @@ def _gathered(q: MXArray, axis_name: str) -> MXArray:
     or N, or tiles): codes and scales all-gathered along N as bytes. A per-tensor scale is the
     same on every shard and is not gathered."""
 
-    def gather(a):
-        return bits.from_wire(all_gathered(bits.to_wire(a), axis_name, 1), a.dtype)
-
     n = lax.axis_size(axis_name)
-    scale = q.scale if _per_tensor(q.fmt) else gather(q.scale)
+    scale = q.scale if _per_tensor(q.fmt) else all_gathered(q.scale, axis_name, 1)
     shape = (q.shape[0], q.shape[1] * n, *q.shape[2:])
-    return MXArray(gather(q.data), scale, q.fmt, q.axis, shape, q.tile, q.global_scale)
+    return MXArray(
+        all_gathered(q.data, axis_name, 1), scale, q.fmt, q.axis, shape, q.tile, q.global_scale
+    )

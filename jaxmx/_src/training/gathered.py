@@ -122,10 +122,10 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
             if op.global_scale is not None:
                 g = op.global_scale.reshape(op.global_scale.shape + (1,) * len(op.shape))
                 arrays += (jnp.broadcast_to(g, (*batch, 1, 1)),)
+            dtypes = tuple(x.dtype for x in arrays)
             side = _Side(
-                "mx", op.fmt, op.axis, None, op.shape, op.tile, tuple(x.dtype for x in arrays)
+                "mx", op.fmt, op.axis, None, op.shape, op.tile, dtypes, op.scale.shape[:-2]
             )
-            side = side._replace(scale_batch=op.scale.shape[:-2])
             arrays = tuple(bits.to_wire(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
@@ -152,10 +152,7 @@ def _partitioned(
                 quantizer = quantize_to_grid if to_values else quantize
                 return quantizer(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             q = quantize(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
-            data, scale = (
-                bits.from_wire(_gather(bits.to_wire(t), gathers[0]), t.dtype)
-                for t in (q.data, q.scale)
-            )
+            data, scale = (_gather(t, gathers[0]) for t in (q.data, q.scale))
             shape = tuple(s * _count(g) for s, g in zip(x.shape, gathers[0], strict=True))
             return MXArray(data, scale, side.fmt, q.axis, shape)
         if gathers is not None:
@@ -172,8 +169,11 @@ def _partitioned(
         shape = (*data.shape[data.ndim - nd : -2], *rows_k)
         return MXArray(data, scale, side.fmt, side.axis, shape, side.tile, g)
 
+    def operands(args):  # all but ``like``, which only steers propagation
+        return args[:-1] if liked else args
+
     def local(args, gathers, dtype):
-        args = args[:-1] if liked else args  # ``like`` only steers propagation
+        args = operands(args)
         a_gathers, b_gathers = (None, None) if gathers is None else (gathers[:na], gathers[na:])
         a = operand(sides[0], args[:na], a_gathers)
         b = operand(sides[1], args[na:], b_gathers)
@@ -184,8 +184,7 @@ def _partitioned(
         return local(args, None, out_dtype)
 
     def partition(mesh, arg_shapes, result_shape):
-        shapes = arg_shapes[:-1] if liked else arg_shapes
-        p, shardings, gathers = _layout(mesh, shapes, result_shape, sides, na)
+        p, shardings, gathers = _layout(mesh, operands(arg_shapes), result_shape, sides, na)
         if liked:  # taken as it is: it is not read
             shardings = (*shardings, arg_shapes[-1].sharding)
 
@@ -195,8 +194,7 @@ def _partitioned(
         return mesh, lower, p.result_sharding, shardings
 
     def infer(mesh, arg_shapes, result_shape):
-        shapes = arg_shapes[:-1] if liked else arg_shapes
-        return _layout(mesh, shapes, result_shape, sides, na)[0].result_sharding
+        return _layout(mesh, operands(arg_shapes), result_shape, sides, na)[0].result_sharding
 
     gemm.def_partition(
         partition=partition,
@@ -221,14 +219,15 @@ def _gather(x, gathers):
 
 
 def all_gathered(x, axis_name, axis: int):
-    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)`` of an array in its wire form
-    (:func:`~jaxmx._src.core.bits.to_wire`); 4-bit codes (``uint4``) with an even last dim
-    travel two per byte."""
-    if x.dtype != jnp.uint4 or x.shape[-1] % 2:
-        return lax.all_gather(x, axis_name, axis=axis, tiled=True)
-    # whole pairs on every shard: the gathered pairs are the pairs of the gathered codes
-    packed = lax.all_gather(bits.pack_nibbles(x), axis_name, axis=axis, tiled=True)
-    return bits.unpack_nibbles(packed)
+    """``lax.all_gather(x, axis_name, axis=axis, tiled=True)``, ``x`` crossing in its wire form
+    (:func:`~jaxmx._src.core.bits.to_wire`; 4-bit codes with an even last dim two per byte)."""
+    wire = bits.to_wire(x)
+    if wire.dtype != jnp.uint4 or wire.shape[-1] % 2:
+        out = lax.all_gather(wire, axis_name, axis=axis, tiled=True)
+    else:  # whole pairs on every shard: the gathered pairs are the pairs of the gathered codes
+        packed = lax.all_gather(bits.pack_nibbles(wire), axis_name, axis=axis, tiled=True)
+        out = bits.unpack_nibbles(packed)
+    return bits.from_wire(out, x.dtype)
 
 
 def _rule(sides, liked: bool) -> str:

@@ -1,7 +1,7 @@
 """jaxmx: micro-scaled (MX) low-precision training for JAX.
 
-The public API is this module's names plus :mod:`jaxmx.recipes`, :mod:`jaxmx.ffi` (the native
-custom calls) and :mod:`jaxmx.flax` (``jaxmx.flax.linen``, ``jaxmx.flax.nnx``). Everything under
+The public API is this module's names plus :mod:`jaxmx.recipes`, :mod:`jaxmx.checkpoints`
+(peers' checkpoint formats), :mod:`jaxmx.ffi` (the native custom calls) and :mod:`jaxmx.flax` (``jaxmx.flax.linen``, ``jaxmx.flax.nnx``). Everything under
 ``jaxmx._src`` is implementation.
 
 Example:
@@ -11,7 +11,7 @@ Example:
     64.0
 """
 
-from jaxmx import diagnostics, ffi, recipes
+from jaxmx import checkpoints, diagnostics, ffi, recipes
 from jaxmx._src.core.block_sharding import BlockShardingError
 from jaxmx._src.core.copies import Copies, SwizzledCopies
 from jaxmx._src.core.formats import (
@@ -30,6 +30,7 @@ from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize, quantize_rowwise_colwise
+from jaxmx._src.quantize.requantize import requantize
 from jaxmx._src.serving.kv_cache import KVCache, cached_attention
 from jaxmx._src.training.attention import dot_product_attention
 from jaxmx._src.training.dot_general import (
@@ -67,6 +68,7 @@ __all__ = [
     "__version__",
     "backends",
     "cached_attention",
+    "checkpoints",
     "dequantize",
     "diagnostics",
     "dot_general",
@@ -82,6 +84,7 @@ __all__ = [
     "quantize_rowwise_colwise",
     "ragged_dot",
     "recipes",
+    "requantize",
     "rht",
     "stochastic_rounding",
     "swizzle_scales",

@@ -1,7 +1,7 @@
 """The package's layers, checked from its import statements (docs/architecture.md).
 
 ``jaxmx/_src`` is cut into layers, lowest first: ``core``, ``quantize``, ``gemm``, ``training``,
-``serving``, ``diagnostics``, ``flax``. A module may import its own layer and the ones below;
+``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own layer and the ones below;
 the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.ffi``, ``jaxmx.diagnostics``,
 ``jaxmx.flax``) only re-export ``_src`` names, and the demo sits above everything. These tests
 read every module's imports with ``ast`` (nothing is imported) and fail on:
@@ -23,10 +23,13 @@ import importlib.util
 import pathlib
 import textwrap
 
-LAYERS = ("core", "quantize", "gemm", "training", "serving", "diagnostics", "flax")
+LAYERS = (
+    "core", "quantize", "gemm", "training", "serving", "checkpoints", "diagnostics", "flax"
+)
 FACADES = (
     "jaxmx",
     "jaxmx.recipes",
+    "jaxmx.checkpoints",
     "jaxmx.ffi",
     "jaxmx.diagnostics",
     "jaxmx.flax",

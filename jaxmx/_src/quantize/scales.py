@@ -127,6 +127,13 @@ class _E8M0Rule:
         """Decoded elements times their block scales, exactly (subnormal results included)."""
         return scale_back(values, scale_exponent_bytes(scale))
 
+    def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
+        """``xb`` in units of the given block scales (before rounding): ``x * 2^-e``, exact;
+        NaN under the NaN scale."""
+        byte = scale_exponent_bytes(scale)
+        units = bits.scale_by_pow2(xb, bits.EXPONENT_BIAS - jnp.minimum(byte, 254))
+        return bits.where(byte == bits.E8M0_NAN, jnp.nan, units)
+
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` (decoded elements times block scales) times the tensor scale, if the kind
         has one."""
@@ -192,6 +199,11 @@ class _Float32Rule:
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         return out
 
+    def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
+        """``x / s`` as the quantizer divides (:func:`float32_scaled_blocks`)."""
+        boost = bits.where(scale < 2.0**-60, 64, 0)
+        return bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
+
     def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
         raise ValueError(
             "float32 block scales have no exact row-relative decode (code * s is rounded); "
@@ -216,6 +228,11 @@ class _TensorScaledE4M3Rule:
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` times ``g``, rounded as IEEE float32 (one ``g`` per leading vmap dim)."""
         return bits.multiply_exact(out, g.reshape(g.shape + (1,) * (out.ndim - g.ndim)))
+
+    def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
+        """``x * min((1 / g) / s, float32 max)`` as the quantizer scales
+        (:func:`~jaxmx._src.quantize.nvfp4.scaled_elements`)."""
+        return nvfp4.scaled_elements(xb, nvfp4.block_scales(scale), g)
 
     def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
         """``(code * s, 0)``: exact in float32 as they are (the tensor scale left out)."""
@@ -287,6 +304,10 @@ class _CurrentRule:
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         return out
+
+    def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
+        """``x * scale`` as the quantizer scales (:func:`current_scaled`)."""
+        return xb * scale
 
     def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
         raise ValueError(

@@ -1,8 +1,9 @@
 """jaxmx: micro-scaled (MX) low-precision training for JAX.
 
 The public API is this module's names plus :mod:`jaxmx.recipes`, :mod:`jaxmx.checkpoints`
-(peers' checkpoint formats), :mod:`jaxmx.ffi` (the native custom calls) and :mod:`jaxmx.flax` (``jaxmx.flax.linen``, ``jaxmx.flax.nnx``). Everything under
-``jaxmx._src`` is implementation.
+(the peers' checkpoint formats), :mod:`jaxmx.ffi` (the native custom calls) and
+:mod:`jaxmx.flax` (``jaxmx.flax.linen``, ``jaxmx.flax.nnx``). Everything under ``jaxmx._src`` is
+implementation.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx

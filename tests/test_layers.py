@@ -1,9 +1,9 @@
 """The package's layers, checked from its import statements (docs/architecture.md).
 
 ``jaxmx/_src`` is cut into layers, lowest first: ``core``, ``quantize``, ``gemm``, ``training``,
-``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own layer and the ones below;
-the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.ffi``, ``jaxmx.diagnostics``,
-``jaxmx.flax``) only re-export ``_src`` names, and the demo sits above everything. These tests
+``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own layer and
+the ones below; the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.checkpoints``,
+``jaxmx.ffi``, ``jaxmx.diagnostics``, ``jaxmx.flax``) only re-export ``_src`` names, and the demo sits above everything. These tests
 read every module's imports with ``ast`` (nothing is imported) and fail on:
 
 - a cycle among module-level imports of jaxmx modules;
@@ -23,9 +23,7 @@ import importlib.util
 import pathlib
 import textwrap
 
-LAYERS = (
-    "core", "quantize", "gemm", "training", "serving", "checkpoints", "diagnostics", "flax"
-)
+LAYERS = ("core", "quantize", "gemm", "training", "serving", "checkpoints", "diagnostics", "flax")
 FACADES = (
     "jaxmx",
     "jaxmx.recipes",

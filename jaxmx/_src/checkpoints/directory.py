@@ -82,8 +82,9 @@ def _roles(scheme: Scheme) -> _Roles:
         return _Roles(".weight", ".weight_scale", ".weight_scale_2", ".weight")
     if scheme.weights in ("mxfp4", "nvfp4"):
         nvfp4 = scheme.weights == "nvfp4"
-        return _Roles(".weight_packed", ".weight_scale", ".weight_global_scale" if nvfp4 else None,
-                      ".weight")
+        return _Roles(
+            ".weight_packed", ".weight_scale", ".weight_global_scale" if nvfp4 else None, ".weight"
+        )
     return _Roles(".weight", ".weight_scale", None, ".weight")
 
 
@@ -145,8 +146,9 @@ def load(
         arrays = [reader.get(n) for n in entry.names]
         value = _weight(scheme, entry, arrays) if entry.quantized else arrays[0]
         tensors[entry.key] = _placed(entry.key, value, sharding)
-    return Checkpoint(tensors={e.key: tensors[e.key] for e in entries}, scheme=scheme,
-                      config=config)
+    return Checkpoint(
+        tensors={e.key: tensors[e.key] for e in entries}, scheme=scheme, config=config
+    )
 
 
 def _json(path: pathlib.Path) -> dict:
@@ -178,8 +180,9 @@ def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
             if roles.tensor_scale is not None:
                 tensor_scale = module + roles.tensor_scale
                 if tensor_scale not in reader.names():
-                    raise CheckpointError(f"weight {codes!r}: its tensor scale {tensor_scale!r} "
-                                          "is missing")
+                    raise CheckpointError(
+                        f"weight {codes!r}: its tensor scale {tensor_scale!r} is missing"
+                    )
                 group += (tensor_scale,)
             quantized[codes] = _Entry(module + roles.key, group, True)
             used.update(group)
@@ -196,8 +199,10 @@ def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
 def _refuse_unscaled(reader: ShardedReader, scheme: Scheme | None, name: str) -> None:
     """A tensor that only a scale makes sense of, found without one, raises."""
     dtype, _ = reader.info(name)
-    if dtype.itemsize == 1 and dtype.kind in "fV" or (
-        dtype == np.uint8 and name.endswith((".weight", "_blocks", ".weight_packed"))
+    if (
+        (dtype.itemsize == 1
+        and dtype.kind in "fV")
+        or (dtype == np.uint8 and name.endswith((".weight", "_blocks", ".weight_packed")))
     ):
         if scheme is None:
             raise CheckpointError(
@@ -208,8 +213,10 @@ def _refuse_unscaled(reader: ShardedReader, scheme: Scheme | None, name: str) ->
             f"tensor {name!r} is {dtype.name} but its scale {_expected_scale(scheme, name)!r} is "
             "missing"
         )
-    if scheme is not None and scheme.weights == "nvfp4" and name.endswith(
-        (".weight_scale_2", ".weight_global_scale")
+    if (
+        scheme is not None
+        and scheme.weights == "nvfp4"
+        and name.endswith((".weight_scale_2", ".weight_global_scale"))
     ):
         raise CheckpointError(f"tensor scale {name!r} has no block scales beside it")
 
@@ -220,12 +227,15 @@ def _expected_scale(scheme: Scheme, name: str) -> str:
     return module + roles.scale
 
 
-def _with_stored_scale_dtype(scheme: Scheme | None, reader: ShardedReader,
-                             entries: list[_Entry]) -> Scheme | None:
+def _with_stored_scale_dtype(
+    scheme: Scheme | None, reader: ShardedReader, entries: list[_Entry]
+) -> Scheme | None:
     """compressed-tensors stores FP8 scales in the model's dtype, which its config does not
     state: the scheme takes the stored one, which every weight must share."""
-    if scheme is None or scheme.method != "compressed-tensors" or scheme.weights not in (
-        "tensor", "channel", "block"
+    if (
+        scheme is None
+        or scheme.method != "compressed-tensors"
+        or scheme.weights not in ("tensor", "channel", "block")
     ):
         return scheme
     found = {}
@@ -233,10 +243,12 @@ def _with_stored_scale_dtype(scheme: Scheme | None, reader: ShardedReader,
         if entry.quantized:
             found.setdefault(reader.info(entry.names[1])[0].name, entry.names[1])
     if len(found) > 1:
-        raise CheckpointError(f"scales of differing dtypes: {found}; jaxmx reads one per checkpoint")
+        raise CheckpointError(
+            f"scales of differing dtypes: {found}; jaxmx reads one per checkpoint"
+        )
     if not found:
         return scheme
-    (dtype, name), = found.items()
+    ((dtype, name),) = found.items()
     if dtype not in ("float32", "bfloat16", "float16"):
         raise CheckpointError(f"{name}: float scales expected, got {dtype}")
     return dataclasses.replace(scheme, scale_dtype=dtype)
@@ -246,11 +258,14 @@ def _weight(scheme: Scheme, entry: _Entry, arrays: list[np.ndarray]) -> MXArray:
     codes, scale, *tensor_scale = arrays
     if scheme.method == "mxfp4":
         if codes.ndim < 3 or codes.shape[-1] != 16:
-            raise CheckpointError(f"{entry.names[0]}: gpt-oss blocks are [..., out, in/32, 16], "
-                                  f"got {list(codes.shape)}")
+            raise CheckpointError(
+                f"{entry.names[0]}: gpt-oss blocks are [..., out, in/32, 16], "
+                f"got {list(codes.shape)}"
+            )
         codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * 16)
-    return layouts.to_mxarray(scheme, entry.key, codes, scale, tensor_scale[0] if tensor_scale
-                              else None)
+    return layouts.to_mxarray(
+        scheme, entry.key, codes, scale, tensor_scale[0] if tensor_scale else None
+    )
 
 
 def _placed(name: str, value, sharding: Sharding) -> Tensor:
@@ -262,7 +277,10 @@ def _placed(name: str, value, sharding: Sharding) -> Tensor:
         return MXArray(
             _put(name, value.data, s),
             _put(f"{name} (scales)", value.scale, s),
-            value.fmt, value.axis, value.shape, value.tile,
+            value.fmt,
+            value.axis,
+            value.shape,
+            value.tile,
             None if g is None else _put(f"{name} (tensor scale)", g, _replicated(s)),
         )
     return _put(name, value, s)
@@ -333,8 +351,12 @@ def save(
     if scheme is None and any(isinstance(v, MXArray) for v in tensors.values()):
         name = next(n for n, v in tensors.items() if isinstance(v, MXArray))
         raise CheckpointError(f"{name}: an MXArray needs a Scheme to be written in")
-    write_shards(path, _stored(tensors, scheme), max_shard_bytes=max_shard_bytes,
-                 progress=_reporter(progress))
+    write_shards(
+        path,
+        _stored(tensors, scheme),
+        max_shard_bytes=max_shard_bytes,
+        progress=_reporter(progress),
+    )
     out = {k: v for k, v in (config or {}).items() if k != "quantization_config"}
     if scheme is not None:
         out["quantization_config"] = quantization_config(scheme, ignore=ignore)
@@ -345,7 +367,9 @@ def save(
         (path / MODELOPT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
 
 
-def _stored(tensors: Mapping[str, Tensor], scheme: Scheme | None) -> Iterator[tuple[str, np.ndarray]]:
+def _stored(
+    tensors: Mapping[str, Tensor], scheme: Scheme | None
+) -> Iterator[tuple[str, np.ndarray]]:
     """``(name, numpy array)`` of every tensor the checkpoint stores, in ``tensors``' order."""
     for name, value in tensors.items():
         if not isinstance(value, MXArray):

@@ -60,8 +60,9 @@ def to_mxarray(scheme: Scheme, name: str, weight, scale, global_scale) -> MXArra
     if layout in ("block", "tensor", "channel"):
         tile = {"block": scheme.block_size, "tensor": (out, k), "channel": (1, k)}[layout]
         grid = _float_scales(scale, codes.shape, tile, layout, name)
-        return MXArray(_padded(codes, tile), grid, "fp8_e4m3_block", codes.ndim - 1,
-                       codes.shape, tile)
+        return MXArray(
+            _padded(codes, tile), grid, "fp8_e4m3_block", codes.ndim - 1, codes.shape, tile
+        )
     block = 16 if layout == "nvfp4" else 32
     want = (*codes.shape[:-1], ceil_div(k, block))
     if layout == "nvfp4":
@@ -130,8 +131,10 @@ def _padded(codes: np.ndarray, tile: tuple[int, int]) -> np.ndarray:
     """``codes`` zero-padded to whole tiles of its last two axes (zero codes: MXArray's
     padding)."""
     out, k = codes.shape[-2:]
-    pad = [(0, 0)] * (codes.ndim - 2) + [(0, round_up(out, tile[0]) - out),
-                                          (0, round_up(k, tile[1]) - k)]
+    pad = [(0, 0)] * (codes.ndim - 2) + [
+        (0, round_up(out, tile[0]) - out),
+        (0, round_up(k, tile[1]) - k),
+    ]
     if not any(p for _, p in pad):
         return codes
     padded = np.zeros([n + p for n, (_, p) in zip(codes.shape, pad, strict=True)], codes.dtype)
@@ -190,8 +193,9 @@ def _e8m0(scale, name: str) -> np.ndarray:
     scale = np.asarray(scale)
     where = f"{name}'s scales"
     if scale.dtype not in (E8M0, np.dtype(np.uint8)):
-        raise CheckpointError(f"{where}: E8M0 scales (uint8 or float8_e8m0fnu) expected, got "
-                              f"{scale.dtype.name}")
+        raise CheckpointError(
+            f"{where}: E8M0 scales (uint8 or float8_e8m0fnu) expected, got {scale.dtype.name}"
+        )
     _refuse_nan_bytes(scale.view(np.uint8), where)
     return scale.view(E8M0)
 

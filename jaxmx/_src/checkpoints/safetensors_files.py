@@ -205,7 +205,7 @@ def write_shards(
             raise CheckpointError(f"tensor {name!r} is written twice")
         if shard and size + array.nbytes > max_shard_bytes:
             flush()
-        shard[name] = np.ascontiguousarray(array)
+        shard[name] = np.require(array, requirements="C")  # keeps 0-d (ascontiguousarray: 1-d)
         size += array.nbytes
     if shard or not written:
         flush()

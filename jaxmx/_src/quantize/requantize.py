@@ -17,8 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -65,15 +63,17 @@ def requantize(
     like = checked(like, "requantize")
     f = like.format
     if f.span != "block":
-        raise ValueError(f"requantize: {f.name} has one scale per {f.span}; requantize keeps "
-                         "block scales")
+        raise ValueError(
+            f"requantize: {f.name} has one scale per {f.span}; requantize keeps block scales"
+        )
     if outgrown not in OUTGROWN:
         raise ValueError(f"requantize: outgrown must be one of {OUTGROWN}, got {outgrown!r}")
     x = as_float_array(x, "requantize: x")
     if tuple(x.shape) != like.shape:
         raise ValueError(f"requantize: x has shape {tuple(x.shape)}, like has {like.shape}")
-    fresh = quantize(x, f.name, like.axis, scale_mode, tile=like.tile,
-                     global_scale=like.global_scale)
+    fresh = quantize(
+        x, f.name, like.axis, scale_mode, tile=like.tile, global_scale=like.global_scale
+    )
     data, scale, n_outgrown = _requantized(x, like, fresh)
     if outgrown == "raise":
         if isinstance(n_outgrown, jax.core.Tracer):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from safetensors_bytes import raw_tensors
 
 import jaxmx
 from jaxmx import checkpoints
@@ -53,21 +53,6 @@ def write_dir(path, tensors, qc=None, hf_quant=None, shards=1):
     if hf_quant is not None:
         (path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
     return path
-
-
-def raw_tensors(path) -> dict[str, tuple[str, list[int], bytes]]:
-    """``{name: (safetensors dtype, shape, bytes)}`` of every shard of a directory, read from
-    the file format directly."""
-    out = {}
-    for file in sorted(pathlib.Path(path).glob("*.safetensors")):
-        blob = file.read_bytes()
-        n = struct.unpack("<Q", blob[:8])[0]
-        header = json.loads(blob[8 : 8 + n])
-        header.pop("__metadata__", None)
-        for name, e in header.items():
-            a, b = e["data_offsets"]
-            out[name] = (e["dtype"], e["shape"], blob[8 + n + a : 8 + n + b])
-    return out
 
 
 def e4m3_codes(shape):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -103,6 +104,7 @@ def load(
     *,
     sharding: Sharding = None,
     progress: bool | Callable[[str], None] = False,
+    inexact_tensor_scales: str = "raise",
 ) -> Checkpoint:
     """Reads the checkpoint directory ``path`` into MXArrays and arrays, shard by shard, with
     no decode (codes and scales are copied; FP4 bytes unpacked to one code per byte).
@@ -117,6 +119,10 @@ def load(
             device receives only its shard's slice, so a sharded model never sits whole on one
             device.
         progress: ``True`` prints a line per shard to stderr; a function receives the lines.
+        inexact_tensor_scales: compressed-tensors stores NVFP4's tensor scale as an encode
+            factor, jaxmx holds its float32 reciprocal; about one in eight float32 values has
+            none that converts back to it. ``"raise"`` (default) refuses such a tensor by name;
+            ``"warn"`` loads the nearest reciprocal with a warning naming it.
 
     Returns:
         A :class:`Checkpoint`.
@@ -127,13 +133,17 @@ def load(
         as declared, a shard named by the index but absent, an 8-bit or packed weight without
         a quantization config.
     """
+    if inexact_tensor_scales not in ("raise", "warn"):
+        raise ValueError(
+            f"load: inexact_tensor_scales must be 'raise' or 'warn', got {inexact_tensor_scales!r}"
+        )
     path = pathlib.Path(path)
     reader = ShardedReader(path)
     config = _json(path / CONFIG) if (path / CONFIG).exists() else {}
     hf_quant = _json(path / MODELOPT_CONFIG) if (path / MODELOPT_CONFIG).exists() else None
     scheme = scheme_of(config.get("quantization_config"), hf_quant)
     entries = _entries(reader, scheme)
-    scheme = _with_stored_scale_dtype(scheme, reader, entries)
+    scheme = _with_stored_scales(scheme, reader, entries)
     report = _reporter(progress)
     tensors: dict[str, Tensor] = {}
     order = {shard: i for i, shard in enumerate(reader.shards())}
@@ -144,11 +154,26 @@ def load(
             shard = reader.shard_of(entry.names[0])
             report(f"reading shard {order[shard] + 1}/{len(order)}: {shard}")
         arrays = [reader.get(n) for n in entry.names]
-        value = _weight(scheme, entry, arrays) if entry.quantized else arrays[0]
+        value = (
+            _weight(scheme, entry, arrays, inexact_tensor_scales) if entry.quantized else arrays[0]
+        )
         tensors[entry.key] = _placed(entry.key, value, sharding)
+        if entry.quantized and len(arrays) == 3 and not _exact_reciprocal(scheme, arrays[2]):
+            # kept beside the MXArray, so that save writes back the stored encode factor
+            tensors[entry.names[2]] = _placed(entry.names[2], arrays[2], None)
+    ordered = [name for e in entries for name in (e.key, *e.names[2:]) if name in tensors]
     return Checkpoint(
-        tensors={e.key: tensors[e.key] for e in entries}, scheme=scheme, config=config
+        tensors={name: tensors[name] for name in ordered}, scheme=scheme, config=config
     )
+
+
+def _exact_reciprocal(scheme: Scheme, stored: np.ndarray) -> bool:
+    """Whether a tensor scale loads exactly: a decode factor (ModelOpt), or an encode factor
+    (compressed-tensors) whose float32 reciprocal converts back to it."""
+    if scheme.method != "compressed-tensors":
+        return True
+    value = np.asarray(stored, np.float32).reshape(-1)[0]
+    return bool(np.float32(1) / (np.float32(1) / value) == value)
 
 
 def _json(path: pathlib.Path) -> dict:
@@ -199,10 +224,8 @@ def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
 def _refuse_unscaled(reader: ShardedReader, scheme: Scheme | None, name: str) -> None:
     """A tensor that only a scale makes sense of, found without one, raises."""
     dtype, _ = reader.info(name)
-    if (
-        (dtype.itemsize == 1
-        and dtype.kind in "fV")
-        or (dtype == np.uint8 and name.endswith((".weight", "_blocks", ".weight_packed")))
+    if (dtype.itemsize == 1 and dtype.kind in "fV") or (
+        dtype == np.uint8 and name.endswith((".weight", "_blocks", ".weight_packed"))
     ):
         if scheme is None:
             raise CheckpointError(
@@ -227,34 +250,39 @@ def _expected_scale(scheme: Scheme, name: str) -> str:
     return module + roles.scale
 
 
-def _with_stored_scale_dtype(
+def _with_stored_scales(
     scheme: Scheme | None, reader: ShardedReader, entries: list[_Entry]
 ) -> Scheme | None:
-    """compressed-tensors stores FP8 scales in the model's dtype, which its config does not
-    state: the scheme takes the stored one, which every weight must share."""
-    if (
-        scheme is None
-        or scheme.method != "compressed-tensors"
-        or scheme.weights not in ("tensor", "channel", "block")
-    ):
+    """The scheme with what the config does not state but the scales show, which every weight
+    must share: compressed-tensors' FP8 scale dtype (the model's) and the shape of a per-tensor
+    scale (``()`` where transformers' FP8Linear allocates it, ``[1, 1]`` where its saver
+    writes it, ``[1]`` in compressed-tensors)."""
+    if scheme is None or scheme.weights not in ("tensor", "channel", "block"):
         return scheme
-    found = {}
+    dtypes, shapes = {}, {}
     for entry in entries:
         if entry.quantized:
-            found.setdefault(reader.info(entry.names[1])[0].name, entry.names[1])
-    if len(found) > 1:
-        raise CheckpointError(
-            f"scales of differing dtypes: {found}; jaxmx reads one per checkpoint"
-        )
-    if not found:
-        return scheme
-    ((dtype, name),) = found.items()
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise CheckpointError(f"{name}: float scales expected, got {dtype}")
-    return dataclasses.replace(scheme, scale_dtype=dtype)
+            dtype, shape = reader.info(entry.names[1])
+            dtypes.setdefault(dtype.name, entry.names[1])
+            shapes.setdefault(shape, entry.names[1])
+    if scheme.method == "compressed-tensors" and dtypes:
+        if len(dtypes) > 1:
+            raise CheckpointError(f"scales of differing dtypes: {dtypes}; jaxmx reads one")
+        ((dtype, name),) = dtypes.items()
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise CheckpointError(f"{name}: float scales expected, got {dtype}")
+        scheme = dataclasses.replace(scheme, scale_dtype=dtype)
+    if scheme.weights == "tensor" and shapes:
+        if len(shapes) > 1:
+            raise CheckpointError(f"per-tensor scales of differing shapes: {shapes}")
+        ((shape, name),) = shapes.items()
+        if math.prod(shape) != 1 or len(shape) > 2:
+            raise CheckpointError(f"{name}: a per-tensor scale, got shape {list(shape)}")
+        scheme = dataclasses.replace(scheme, scale_shape=shape)
+    return scheme
 
 
-def _weight(scheme: Scheme, entry: _Entry, arrays: list[np.ndarray]) -> MXArray:
+def _weight(scheme: Scheme, entry: _Entry, arrays: list[np.ndarray], inexact: str) -> MXArray:
     codes, scale, *tensor_scale = arrays
     if scheme.method == "mxfp4":
         if codes.ndim < 3 or codes.shape[-1] != 16:
@@ -263,9 +291,8 @@ def _weight(scheme: Scheme, entry: _Entry, arrays: list[np.ndarray]) -> MXArray:
                 f"got {list(codes.shape)}"
             )
         codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * 16)
-    return layouts.to_mxarray(
-        scheme, entry.key, codes, scale, tensor_scale[0] if tensor_scale else None
-    )
+    g = tensor_scale[0] if tensor_scale else None
+    return layouts.to_mxarray(scheme, entry.key, codes, scale, g, inexact=inexact)
 
 
 def _placed(name: str, value, sharding: Sharding) -> Tensor:
@@ -370,16 +397,26 @@ def save(
 def _stored(
     tensors: Mapping[str, Tensor], scheme: Scheme | None
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, numpy array)`` of every tensor the checkpoint stores, in ``tensors``' order."""
+    """``(name, numpy array)`` of every tensor the checkpoint stores, in ``tensors``' order.
+    A plain tensor named like an MXArray's tensor scale (an inexactly loaded encode factor, see
+    :func:`load`) is the MXArray's to write."""
+    roles = None if scheme is None else _roles(scheme)
+    kept = {}
+    if roles is not None and roles.tensor_scale is not None:
+        for name, value in tensors.items():
+            extra = name.removesuffix(roles.key) + roles.tensor_scale
+            if isinstance(value, MXArray) and not isinstance(tensors.get(extra, value), MXArray):
+                kept[name] = extra
     for name, value in tensors.items():
         if not isinstance(value, MXArray):
-            yield name, np.asarray(value)
+            if name not in kept.values():
+                yield name, np.asarray(value)
             continue
-        roles = _roles(scheme)
         if not name.endswith(roles.key):
             raise CheckpointError(f"{name}: a quantized weight's name ends in {roles.key!r}")
         module = name[: len(name) - len(roles.key)] if roles.key else name
-        codes, scale, *tensor_scale = layouts.from_mxarray(scheme, name, value)
+        kept_scale = np.asarray(tensors[kept[name]]) if name in kept else None
+        codes, scale, *tensor_scale = layouts.from_mxarray(scheme, name, value, kept_scale)
         if scheme.method == "mxfp4":
             codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 16, 16)
         if scheme.method == "mxfp8" or (scheme.method == "fp8" and scheme.scale_dtype == "ue8m0"):

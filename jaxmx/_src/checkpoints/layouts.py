@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 
@@ -45,10 +47,14 @@ _FLOAT_SCALES = {
 }
 
 
-def to_mxarray(scheme: Scheme, name: str, weight, scale, global_scale) -> MXArray:
+def to_mxarray(
+    scheme: Scheme, name: str, weight, scale, global_scale, *, inexact: str = "raise"
+) -> MXArray:
     """The MXArray (numpy leaves) of the weight ``name`` stored as ``weight`` (codes: E4M3, or
     uint8 with two E2M1 codes per byte), ``scale`` and, for NVFP4, ``global_scale``; a
-    :class:`CheckpointError` naming ``name`` when they do not fit ``scheme``."""
+    :class:`CheckpointError` naming ``name`` when they do not fit ``scheme``. ``inexact``: what
+    an encode-factor tensor scale without an exact float32 reciprocal does, ``"raise"`` or
+    ``"warn"`` (then its nearest reciprocal is loaded, with a warning naming ``name``)."""
     layout = scheme.weights
     if layout in ("mxfp4", "nvfp4"):
         codes = _unpacked(_checked_dtype(weight, np.uint8, name), name)
@@ -69,7 +75,7 @@ def to_mxarray(scheme: Scheme, name: str, weight, scale, global_scale) -> MXArra
         if k % block:
             raise CheckpointError(f"{name}: NVFP4 needs in ({k}) divisible by 16")
         scales = _checked_dtype(scale, E4M3, f"{name}'s scales")
-        g = _tensor_scale(scheme, global_scale, name)
+        g = _tensor_scale(scheme, global_scale, name, inexact)
     else:
         scales = _e8m0(scale, name)
         g = None
@@ -78,10 +84,14 @@ def to_mxarray(scheme: Scheme, name: str, weight, scale, global_scale) -> MXArra
     return MXArray(_padded(codes, (1, block)), scales, fmt, codes.ndim - 1, codes.shape, None, g)
 
 
-def from_mxarray(scheme: Scheme, name: str, q: MXArray) -> tuple[np.ndarray, ...]:
+def from_mxarray(
+    scheme: Scheme, name: str, q: MXArray, kept_tensor_scale=None
+) -> tuple[np.ndarray, ...]:
     """``(weight, scale)`` or, for NVFP4, ``(weight, scale, tensor scale)`` as ``scheme``
     stores the MXArray ``q`` (numpy); a :class:`CheckpointError` naming ``name`` where ``q`` is
-    not in the scheme's layout or a scale does not convert exactly."""
+    not in the scheme's layout or a scale does not convert exactly. ``kept_tensor_scale``: the
+    encode factor :func:`to_mxarray` loaded inexactly, written back while ``q``'s tensor scale
+    is still its nearest reciprocal."""
     layout = scheme.weights
     fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}.get(layout, "fp8_e4m3_block")
     if q.fmt != fmt:
@@ -112,6 +122,10 @@ def from_mxarray(scheme: Scheme, name: str, q: MXArray) -> tuple[np.ndarray, ...
     if k % 16:
         raise CheckpointError(f"{name}: NVFP4 checkpoints need in ({k}) divisible by 16")
     g = np.asarray(q.global_scale, np.float32)
+    if kept_tensor_scale is not None:
+        kept = _checked_dtype(kept_tensor_scale, np.float32, f"{name}'s kept tensor scale")
+        if kept.size == 1 and np.float32(1) / kept.reshape(()) == g:
+            return _packed(data), np.asarray(q.scale), kept.reshape(1)
     return _packed(data), np.asarray(q.scale), _stored_tensor_scale(scheme, g, name)
 
 
@@ -206,7 +220,7 @@ def _e8m0_bytes(scale: np.ndarray, name: str) -> np.ndarray:
     return b
 
 
-def _tensor_scale(scheme: Scheme, stored, name: str) -> np.ndarray:
+def _tensor_scale(scheme: Scheme, stored, name: str, inexact: str) -> np.ndarray:
     """NVFP4's float32 decode tensor scale ``g`` from ModelOpt's ``weight_scale_2`` (a decode
     factor: copied) or compressed-tensors' ``weight_global_scale`` (an encode factor: ``g`` is
     its float32 reciprocal, loaded only where the reciprocal of ``g`` gives the stored bytes
@@ -221,10 +235,22 @@ def _tensor_scale(scheme: Scheme, stored, name: str) -> np.ndarray:
     if scheme.method == "modelopt":
         return value.copy()
     g = np.float32(1) / value
-    if not np.isfinite(g) or np.float32(1) / g != value:
-        raise CheckpointError(
+    if not np.isfinite(g):
+        raise CheckpointError(f"{where}: the global scale {float(value)!r} has no finite inverse")
+    if np.float32(1) / g != value:
+        message = (
             f"{where}: the global scale {float(value)!r} (an encode factor) has no float32 "
             "reciprocal that converts back to it, so jaxmx's decode factor cannot hold it exactly"
+        )
+        if inexact == "raise":
+            raise CheckpointError(
+                f"{message} (load(..., inexact_tensor_scales='warn') takes the nearest reciprocal)"
+            )
+        warnings.warn(
+            f"{message}: loaded its nearest reciprocal {float(g)!r}; values may differ "
+            "from compressed-tensors' by an ulp; the stored scale is kept beside the MXArray under "
+            "its own name, and save writes it back",
+            stacklevel=4,
         )
     return np.asarray(g, np.float32)
 
@@ -263,5 +289,5 @@ def _stored_float_scales(scale: np.ndarray, scheme: Scheme, layout: str, name: s
                 f"{scheme.scale_dtype}, the checkpoint's scale dtype"
             )
     if layout == "tensor":
-        return stored.reshape(() if scheme.method == "fp8" else (1,))
+        return stored.reshape(scheme.scale_shape)
     return stored

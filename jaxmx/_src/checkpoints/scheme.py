@@ -76,6 +76,9 @@ class Scheme:
     block_size: tuple[int, int] | None = None
     # how the scales are stored (SCALE_DTYPES); None: the layout's default
     scale_dtype: str | None = None
+    # "tensor" layouts: the shape of the one scale, () or (1,) or (1, 1); None: the method's
+    # default (transformers: (), as its FP8Linear allocates it; compressed-tensors: (1,))
+    scale_shape: tuple[int, ...] | None = None
     # the quantization_config as read (written back as it was); None: jaxmx writes its own
     config: Mapping | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -96,6 +99,16 @@ class Scheme:
             object.__setattr__(self, "block_size", tuple(size))
         elif self.block_size is not None:
             raise CheckpointError(f"Scheme: {self.weights!r} weights take no block_size")
+        if self.weights == "tensor":
+            shape = (() if self.method == "fp8" else (1,)) if self.scale_shape is None else None
+            shape = tuple(self.scale_shape) if shape is None else shape
+            if shape not in ((), (1,), (1, 1)):
+                raise CheckpointError(
+                    f"Scheme: scale_shape must be (), (1,) or (1, 1), got {shape}"
+                )
+            object.__setattr__(self, "scale_shape", shape)
+        elif self.scale_shape is not None:
+            raise CheckpointError(f"Scheme: {self.weights!r} weights take no scale_shape")
         allowed = SCALE_DTYPES.get(
             (self.method, self.weights), (_FIXED_SCALE_DTYPE.get(self.weights),)
         )

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import peers
 import pytest
 from safetensors.numpy import save_file
 from safetensors_bytes import raw_tensors
@@ -18,8 +19,6 @@ from safetensors_bytes import raw_tensors
 import jaxmx
 from jaxmx import checkpoints
 from jaxmx.checkpoints import Scheme
-
-peers = pytest.importorskip("peers", reason="the interop extra: pip install -e '.[interop]'")
 
 pytestmark = pytest.mark.interop
 

@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from flax import nnx
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.interop
 

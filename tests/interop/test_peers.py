@@ -8,15 +8,10 @@ the peers' code is checked against the fact sheet and not against itself.
 import json
 from pathlib import Path
 
-import numpy as np
-import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
-
 import ml_dtypes
+import numpy as np
 import peers
+import pytest
 
 pytestmark = pytest.mark.interop
 

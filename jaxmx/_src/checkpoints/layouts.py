@@ -108,6 +108,8 @@ def from_mxarray(
             raise CheckpointError(
                 f"{name}: {layout} weights take {tile} tiles, the MXArray has {q.tile}"
             )
+        if scheme.method == "fp8" and layout == "block":
+            _check_grid_inferable(name, (out, k), tile, written_back=scheme.config is not None)
         return data, _stored_float_scales(np.asarray(q.scale), scheme, layout, name)
     if q.tile is not None:
         raise CheckpointError(f"{name}: {layout} weights are blocked along in, not {q.tile} tiles")
@@ -127,6 +129,26 @@ def from_mxarray(
         if kept.size == 1 and np.float32(1) / kept.reshape(()) == g:
             return _packed(data), np.asarray(q.scale), kept.reshape(1)
     return _packed(data), np.asarray(q.scale), _stored_tensor_scale(scheme, g, name)
+
+
+def _check_grid_inferable(
+    name: str, shape: tuple[int, int], block: tuple[int, int], *, written_back: bool
+) -> None:
+    """transformers' loader infers the block from the scale grid (``rows // grid_rows``), so a
+    dimension that the block does not divide, cut into more than one block, would be misread:
+    refused, or (``written_back``: the scheme of a loaded checkpoint, which held it so) warned
+    about."""
+    for dim, b in zip(shape, block, strict=True):
+        if dim % b and dim > b:
+            message = (
+                f"{name}: [{shape[0]}, {shape[1]}] in {list(block)} blocks: transformers' loader "
+                "infers the block from the scale grid and would misread this one (its own saver "
+                "leaves such weights unquantized)"
+            )
+            if not written_back:
+                raise CheckpointError(f"{message}: keep it in high precision")
+            warnings.warn(f"{message}; written back as the loaded checkpoint held it", stacklevel=5)
+            return
 
 
 def _checked_dtype(x, dtype, name: str) -> np.ndarray:

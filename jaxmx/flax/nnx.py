@@ -3,7 +3,9 @@
 ``Linear`` and ``Einsum`` take the arguments of ``nnx.Linear`` / ``nnx.Einsum`` plus ``recipe``;
 :func:`quantize_model` converts an existing model's layers in place; :func:`init_kv_cache` gives
 its ``nnx.MultiHeadAttention`` layers a ``jaxmx.KVCache`` to decode with; :func:`quantize_weights`
-stores a trained model's GEMM weights as MXArrays for inference (in place).
+stores a trained model's GEMM weights as MXArrays for inference (in place);
+:func:`load_checkpoint` and :func:`export_checkpoint` read and write a Hugging Face checkpoint
+(:mod:`jaxmx.checkpoints`), as master weights or weights at rest.
 
 Example:
     >>> import jax.numpy as jnp
@@ -14,7 +16,10 @@ Example:
     ((4, 16), dtype('float32'))
 """
 
+from jaxmx._src.flax.checkpoint_names import hf_name
+from jaxmx._src.flax.checkpoint_tensors import CheckpointReport
 from jaxmx._src.flax.nnx import Einsum, Linear
+from jaxmx._src.flax.nnx_checkpoints import export_checkpoint, load_checkpoint
 from jaxmx._src.flax.nnx_conversion import quantize_model
 from jaxmx._src.flax.nnx_kv_cache import KVCacheAttention, init_kv_cache
 from jaxmx._src.flax.nnx_weights import QuantizedLinear, quantize_weights
@@ -22,13 +27,17 @@ from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
 
 __all__ = [
     "DEFAULT_EXCLUDE",
+    "CheckpointReport",
     "ConversionReport",
     "Einsum",
     "KVCacheAttention",
     "LayerPlan",
     "Linear",
     "QuantizedLinear",
+    "export_checkpoint",
+    "hf_name",
     "init_kv_cache",
+    "load_checkpoint",
     "quantize_model",
     "quantize_weights",
 ]

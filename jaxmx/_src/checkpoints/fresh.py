@@ -41,6 +41,7 @@ import numpy as np
 from jaxmx._src.checkpoints.safetensors_files import CheckpointError
 from jaxmx._src.checkpoints.scheme import Scheme
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize.nvfp4 import tensor_scale
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.quantize.requantize import requantize
 
@@ -76,7 +77,7 @@ def quantized_weight(w: jax.Array, scheme: Scheme, name: str = "weight") -> MXAr
         raise CheckpointError(f"{name}: a quantized weight is [out, in], got shape {np.shape(w)}")
     how = fresh_quantization(scheme, tuple(w.shape))
     if how.fmt == "nvfp4" and scheme.method == "compressed-tensors":
-        g = np.float32(quantize(w, "nvfp4").global_scale)
+        g = np.float32(tensor_scale(w))
         if not np.isfinite(g) or np.float32(1) / (np.float32(1) / g) != g:
             g = np.ldexp(np.float32(1), int(np.ceil(np.log2(np.float64(g)))))
         return quantize(w, "nvfp4", axis=-1, global_scale=np.float32(g))

@@ -210,3 +210,29 @@ def test_modelopt_nvfp4_against_the_compressed_tensors_converter(tmp_path):
             np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1 else np.asarray(a),
             np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1 else np.asarray(b),
         )
+
+
+def test_transformers_mxfp8(tmp_path):
+    """transformers' MXFP8 layout (fine-grained FP8 in [1, 32] blocks of E8M0 scales): written by
+    transformers' quantizer, loaded by jaxmx to transformers' values and written back byte for
+    byte; jaxmx's ``mxfp8`` checkpoint read by transformers' loader to jaxmx's values."""
+    w = weights((48, 64), (40, 96))
+    peers.write_fp8_transformers(tmp_path / "peer", w, block_size=(1, 32), scale_fmt="ue8m0")
+    want = peers.dequantize_fp8_transformers(tmp_path / "peer")
+    ckpt = checkpoints.load(tmp_path / "peer")
+    assert (ckpt.scheme.block_size, ckpt.scheme.scale_dtype) == ((1, 32), "ue8m0")
+    got = jaxmx_values(ckpt, want, jnp.float32)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    checkpoints.save(tmp_path / "jaxmx", ckpt.tensors, ckpt.scheme, config=ckpt.config)
+    assert raw_tensors(tmp_path / "jaxmx") == raw_tensors(tmp_path / "peer")
+
+    q = jaxmx.quantize(jnp.asarray(w["model.layers.1.mlp.proj"]), "mxfp8_e4m3")
+    checkpoints.save(
+        tmp_path / "mx",
+        {"model.layers.1.mlp.proj.weight": q},
+        Scheme(method="mxfp8", weights="mxfp8"),
+        config={"model_type": "llama", "dtype": "float32"},
+    )
+    got = peers.load_with_transformers_fp8(tmp_path / "mx")["model.layers.1.mlp.proj.weight"]
+    np.testing.assert_array_equal(got, np.asarray(jaxmx.dequantize(q)))

@@ -495,3 +495,23 @@ def test_requantize_rescales_only_outgrown_blocks():
     assert float(jaxmx.dequantize(r)[2, 40]) == 10240  # rceil scale 32: 312.5 -> 320
     with pytest.raises(ValueError, match="1 blocks outgrew"):
         jaxmx.requantize(w, q, outgrown="raise")
+
+
+def test_inexact_nvfp4_encode_factor_is_kept_and_written_back(tmp_path):
+    """A compressed-tensors NVFP4 global scale without an exact float32 reciprocal (7.0):
+    refused by default; with ``inexact_tensor_scales="warn"`` loaded as its nearest reciprocal,
+    with a warning naming it, and kept beside the MXArray so that save writes its bytes back."""
+    packed, values = packed_fp4((4, 16))
+    s4 = np.full((4, 2), 2.0, E4M3)
+    tensors = {"m.weight_packed": packed, "m.weight_scale": s4,
+               "m.weight_global_scale": np.array([7.0], np.float32)}  # fmt: skip
+    nv = ct_config("nvfp4-pack-quantized", num_bits=4, strategy="tensor_group", group_size=16)
+    src = write_dir(tmp_path / "src", tensors, nv)
+    with pytest.raises(CheckpointError, match="inexact_tensor_scales='warn'"):
+        checkpoints.load(src)
+    with pytest.warns(UserWarning, match=r"m\.weight's tensor scale: the global scale 7\.0"):
+        ckpt = checkpoints.load(src, inexact_tensor_scales="warn")
+    assert float(ckpt.tensors["m.weight"].global_scale) == np.float32(1) / np.float32(7)
+    assert float(ckpt.tensors["m.weight_global_scale"][0]) == 7.0
+    checkpoints.save(tmp_path / "out", ckpt.tensors, ckpt.scheme)
+    assert raw_tensors(tmp_path / "out") == raw_tensors(src)

@@ -28,7 +28,12 @@ import jax
 import numpy as np
 
 from jaxmx._src.checkpoints import layouts
-from jaxmx._src.checkpoints.safetensors_files import CheckpointError, ShardedReader, write_shards
+from jaxmx._src.checkpoints.safetensors_files import (
+    CheckpointError,
+    ShardedReader,
+    read_json,
+    write_shards,
+)
 from jaxmx._src.checkpoints.scheme import (
     Scheme,
     modelopt_config,
@@ -52,7 +57,8 @@ class Checkpoint:
     Attributes:
         tensors: ``{name: MXArray | jax.Array}``: each quantized weight as one MXArray under its
             weight's name (``"...q_proj.weight"``; gpt-oss experts under ``"...gate_up_proj"``),
-            every other tensor (biases, norms, embeddings, activation scales) as it is stored.
+            every other tensor (biases, norms, embeddings, activation scales) as it is stored
+            (and a compressed-tensors NVFP4 encode factor loaded inexactly, see :func:`load`).
         scheme: the :class:`Scheme` of the quantized weights; ``None`` for an unquantized
             checkpoint.
         config: ``config.json`` as read (``{}`` when absent), for writing the model back.
@@ -122,7 +128,9 @@ def load(
         inexact_tensor_scales: compressed-tensors stores NVFP4's tensor scale as an encode
             factor, jaxmx holds its float32 reciprocal; about one in eight float32 values has
             none that converts back to it. ``"raise"`` (default) refuses such a tensor by name;
-            ``"warn"`` loads the nearest reciprocal with a warning naming it.
+            ``"warn"`` loads the nearest reciprocal with a warning naming it, and keeps the
+            stored encode factor in the tree under its own name (``"...weight_global_scale"``),
+            from which :func:`save` writes the original bytes back.
 
     Returns:
         A :class:`Checkpoint`.
@@ -139,8 +147,8 @@ def load(
         )
     path = pathlib.Path(path)
     reader = ShardedReader(path)
-    config = _json(path / CONFIG) if (path / CONFIG).exists() else {}
-    hf_quant = _json(path / MODELOPT_CONFIG) if (path / MODELOPT_CONFIG).exists() else None
+    config = read_json(path / CONFIG) if (path / CONFIG).exists() else {}
+    hf_quant = read_json(path / MODELOPT_CONFIG) if (path / MODELOPT_CONFIG).exists() else None
     scheme = scheme_of(config.get("quantization_config"), hf_quant)
     entries = _entries(reader, scheme)
     scheme = _with_stored_scales(scheme, reader, entries)
@@ -176,20 +184,11 @@ def _exact_reciprocal(scheme: Scheme, stored: np.ndarray) -> bool:
     return bool(np.float32(1) / (np.float32(1) / value) == value)
 
 
-def _json(path: pathlib.Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return value
-
-
 def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
     """The tree's entries, in the index's order, each quantized weight's tensors checked to be
     complete; every tensor belongs to exactly one entry."""
     names = reader.names()
+    present = set(names)
     used: set[str] = set()
     quantized: dict[str, _Entry] = {}
     if scheme is not None:
@@ -199,12 +198,12 @@ def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
                 continue
             module = name[: -len(roles.scale)]
             codes = module + roles.codes
-            if codes not in reader.names():
+            if codes not in present:
                 raise CheckpointError(f"scale tensor {name!r} has no weight {codes!r}")
             group = (codes, name)
             if roles.tensor_scale is not None:
                 tensor_scale = module + roles.tensor_scale
-                if tensor_scale not in reader.names():
+                if tensor_scale not in present:
                     raise CheckpointError(
                         f"weight {codes!r}: its tensor scale {tensor_scale!r} is missing"
                     )

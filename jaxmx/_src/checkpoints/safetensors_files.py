@@ -74,7 +74,7 @@ class ShardedReader:
         self.path = pathlib.Path(path)
         index = self.path / INDEX
         if index.exists():
-            weight_map = _json(index).get("weight_map")
+            weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
             self._shard_of = dict(weight_map)
@@ -139,7 +139,8 @@ class ShardedReader:
         return self._headers[shard]
 
 
-def _json(path: pathlib.Path) -> dict:
+def read_json(path: pathlib.Path) -> dict:
+    """The JSON object in the file ``path``, or a :class:`CheckpointError` naming the file."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError) as e:

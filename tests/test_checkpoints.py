@@ -501,7 +501,7 @@ def test_inexact_nvfp4_encode_factor_is_kept_and_written_back(tmp_path):
     """A compressed-tensors NVFP4 global scale without an exact float32 reciprocal (7.0):
     refused by default; with ``inexact_tensor_scales="warn"`` loaded as its nearest reciprocal,
     with a warning naming it, and kept beside the MXArray so that save writes its bytes back."""
-    packed, values = packed_fp4((4, 16))
+    packed, _ = packed_fp4((4, 16))
     s4 = np.full((4, 2), 2.0, E4M3)
     tensors = {"m.weight_packed": packed, "m.weight_scale": s4,
                "m.weight_global_scale": np.array([7.0], np.float32)}  # fmt: skip

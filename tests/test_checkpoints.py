@@ -383,7 +383,7 @@ def test_malformed_checkpoints_name_the_tensor(tmp_path):
             "m.weight_global_scale": np.ones(1, np.float32),
         },
         nv,
-        "in \\(24\\) divisible by 16",
+        r"in \(24\) divisible by their block \(16\)",
     )
     refused(
         {"m.weight_packed": packed_fp4((4, 16))[0], "m.weight_scale": np.ones((4, 2), E4M3)},

@@ -71,9 +71,9 @@ def to_mxarray(
         )
     block = 16 if layout == "nvfp4" else 32
     want = (*codes.shape[:-1], ceil_div(k, block))
+    if layout in ("mxfp4", "nvfp4"):
+        _check_packable(name, layout, k)
     if layout == "nvfp4":
-        if k % block:
-            raise CheckpointError(f"{name}: NVFP4 needs in ({k}) divisible by 16")
         scales = _checked_dtype(scale, E4M3, f"{name}'s scales")
         g = _tensor_scale(scheme, global_scale, name, inexact)
     else:
@@ -113,22 +113,27 @@ def from_mxarray(
         return data, _stored_float_scales(np.asarray(q.scale), scheme, layout, name)
     if q.tile is not None:
         raise CheckpointError(f"{name}: {layout} weights are blocked along in, not {q.tile} tiles")
-    if layout == "mxfp4" and k % 2:
-        raise CheckpointError(f"{name}: two FP4 codes per byte need an even in, got {k}")
+    if layout in ("mxfp4", "nvfp4"):
+        _check_packable(name, layout, k)
     if layout == "mxfp4":
-        if k % 32:
-            raise CheckpointError(f"{name}: MXFP4 checkpoints need in ({k}) divisible by 32")
         return _packed(data), _e8m0_bytes(np.asarray(q.scale), name)
     if layout == "mxfp8":
         return data, _e8m0_bytes(np.asarray(q.scale), name)
-    if k % 16:
-        raise CheckpointError(f"{name}: NVFP4 checkpoints need in ({k}) divisible by 16")
     g = np.asarray(q.global_scale, np.float32)
     if kept_tensor_scale is not None:
         kept = _checked_dtype(kept_tensor_scale, np.float32, f"{name}'s kept tensor scale")
         if kept.size == 1 and np.float32(1) / kept.reshape(()) == g:
             return _packed(data), np.asarray(q.scale), kept.reshape(1)
     return _packed(data), np.asarray(q.scale), _stored_tensor_scale(scheme, g, name)
+
+
+def _check_packable(name: str, layout: str, k: int) -> None:
+    """The FP4 layouts pack whole blocks along ``in`` (the peers refuse partial ones)."""
+    block = 16 if layout == "nvfp4" else 32
+    if k % block:
+        raise CheckpointError(
+            f"{name}: {layout.upper()} weights need in ({k}) divisible by their block ({block})"
+        )
 
 
 def _check_grid_inferable(

@@ -120,6 +120,7 @@ def test_unknown_format_lists_only_formats_the_cache_takes():
 def test_masked_pv_propagates_visible_infinities_as_float_does():
     """Against numpy float64: sum over the visible keys of p * v (0 * inf is NaN)."""
     from jaxmx._src.serving.masked_attention import masked_pv
+
     v = np.zeros((1, 1, 4, 3), np.float32)  # [b, k, s, d]
     v[0, 0, :, 0] = [1, np.inf, 2, 3]  # +inf at key 1
     v[0, 0, :, 1] = [np.inf, 1, -np.inf, np.nan]  # +inf and -inf, NaN at key 3

@@ -141,3 +141,27 @@ def test_no_visible_key_is_zeros_and_not_causal_sees_all(page_size):
     want = _reference(dec["q"], dec["k"], dec["v"], length, False)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     assert not got[0].any() and not got[4].any()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_block", "fp8_e5m2_block"])
+def test_block_fp8_is_float32_close_to_its_decoded_operands(fmt):
+    """Block FP8 decodes as code x float32 scale, rounded once to float32 (2^-24): the output is
+    within float32 arithmetic of float64 attention over the decoded cache (numpy decodes the
+    stored codes and scales itself). V through bfloat16 was 2^-9 off (about 2e-3)."""
+    b, n, d = 2, 48, 128
+    rng = np.random.default_rng(1)
+    q, k, v = (
+        rng.standard_normal(s).astype(np.float32) for s in ((b, 2, 2, d), *2 * [(b, n, 1, d)])
+    )
+    cache = jaxmx.KVCache.create(b, 64, 1, d, fmt=fmt, page_size=16).update(k, 3 * v, 0)
+    length = np.array([48, 30])
+    got = np.asarray(jaxmx.cached_attention(q, cache, length=jnp.asarray(length)))
+
+    def decoded(mx):  # [b, kv_heads, max_len, d]: codes times their block's scale, in float64
+        codes, scales = np.asarray(mx.data, np.float64), np.asarray(mx.scale, np.float64)
+        return (codes * np.repeat(scales, d // scales.shape[-1], axis=-1)).transpose(0, 2, 1, 3)
+
+    want = _reference(
+        _decoded(q, fmt), decoded(cache.keys()), decoded(cache.values()), length, True
+    )
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)

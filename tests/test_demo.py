@@ -333,3 +333,13 @@ def test_demo_modules_import_each_other_at_the_top_and_without_a_cycle():
         nested += inner
     assert nested == [], f"function-level imports of jaxmx modules: {nested}"
     graphlib.TopologicalSorter(graph).prepare()  # a CycleError names the cycle
+
+
+def test_a_model_generate_would_refuse_is_noted_before_training():
+    from jaxmx.demo.__main__ import cache_note
+
+    assert cache_note(128, 4) is None  # the defaults: head_dim 32
+    note = cache_note(64, 4)
+    assert "head_dim 16 (--d-model 64 / --heads 4) is not a multiple of 32" in note
+    assert "nvfp4 fits" in note and "--heads 2 gives head_dim 32" in note
+    assert "gives head_dim" not in cache_note(48, 3)  # no head count makes 48 a multiple of 32

@@ -34,7 +34,7 @@ def test_nnx_decodes_over_an_mx_cache_under_jit():
     layer = nnx.MultiHeadAttention(
         2, FEATURES, num_kv_heads=1, decode=True, rngs=nnx.Rngs(0)
     )  # head_dim 32, GQA
-    assert mxnnx.init_kv_cache(layer, 2, 8) == [""]
+    assert mxnnx.init_kv_cache(layer, 2, 8) == ["."]
     assert isinstance(layer.kv_cache.get_value(), jaxmx.KVCache) and layer.cached_key is None
     x = jnp.asarray(X)
     q, k, v = layer.query(x), layer.key(x), layer.value(x)
@@ -103,3 +103,34 @@ def test_linen_refuses_a_mask_and_unknown_formats():
         with pytest.raises(ValueError, match="decode takes no mask"):
             layer.apply(variables, jnp.ones((1, 1, FEATURES)), mask=jnp.ones((1, 2, 1, 8), bool),
                         mutable=["cache"])  # fmt: skip
+
+
+def test_nnx_names_nested_layers_by_path():
+    class Model(nnx.Module):
+        def __init__(self):
+            self.blocks = nnx.List([nnx.MultiHeadAttention(2, FEATURES, rngs=nnx.Rngs(0))])
+
+    assert mxnnx.init_kv_cache(Model(), 1, 8) == ["blocks/0"]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("mutable", [True, False], ids=["mutable", "immutable"])
+def test_linen_apply_outside_the_context_says_so(mutable, jit):
+    layer = nn.MultiHeadDotProductAttention(num_heads=2, decode=True)
+    with mxl.kv_cache():
+        variables = layer.init(jax.random.key(0), jnp.zeros((1, 8, FEATURES)))
+    kwargs = {"mutable": ["cache"]} if mutable else {}
+
+    def apply(v, x):
+        return layer.apply(v, x, **kwargs)
+
+    apply = jax.jit(apply) if jit else apply
+    with pytest.raises(ValueError, match=r"decodes over a jaxmx.KVCache .* outside `with jaxmx"):
+        apply(variables, jnp.ones((1, 1, FEATURES)))
+
+
+def test_linen_apply_inside_the_context_over_a_stock_init_says_so():
+    layer = nn.MultiHeadDotProductAttention(num_heads=2, decode=True)
+    variables = layer.init(jax.random.key(0), jnp.zeros((1, 8, FEATURES)))
+    with mxl.kv_cache(), pytest.raises(ValueError, match=r"top-level layer has no jaxmx.KVCache"):
+        layer.apply(variables, jnp.ones((1, 1, FEATURES)), mutable=["cache"])

@@ -202,9 +202,9 @@ def test_bad_inputs_raise_clear_errors():
         cache.update(jnp.zeros((2, 3, 1, 32)), x, 0)
     with pytest.raises(ValueError, match="differ"):
         cache.update(x, jnp.zeros((2, 2, 2, 32)), 0)
-    with pytest.raises(ValueError, match=r"index 6 out of range \[0, 5\]"):
+    with pytest.raises(ValueError, match=r"index 6 of sequence 0 out of range \[0, 5\]"):
         cache.update(x, x, 6)
-    with pytest.raises(ValueError, match=r"index -1 out of range"):
+    with pytest.raises(ValueError, match=r"index -1 of sequence 0 out of range"):
         cache.update(x, x, -1)
     with pytest.raises(ValueError, match="scalar or a \\[batch=2\\] vector"):
         cache.update(x, x, jnp.zeros((3,), jnp.int32))
@@ -215,7 +215,7 @@ def test_bad_inputs_raise_clear_errors():
         jaxmx.cached_attention(q, cache, length=1)
     with pytest.raises(ValueError, match=r"q must be \[batch=2, q_len, heads, head_dim=32\]"):
         jaxmx.cached_attention(jnp.zeros((2, 1, 2, 64)), cache, length=1)
-    with pytest.raises(ValueError, match=r"length 9 out of range \[0, 8\]"):
+    with pytest.raises(ValueError, match=r"length 9 of sequence 0 out of range \[0, 8\]"):
         jaxmx.cached_attention(jnp.zeros((2, 1, 2, 32)), cache, length=9)
     with pytest.raises(TypeError, match=r"must be a jaxmx\.KVCache"):
         jaxmx.cached_attention(q, {"k": 1}, length=1)

@@ -209,6 +209,40 @@ def test_linen_weight_only_logits_within_bound():
     assert np.all(np.abs(y - y_ref) <= bound)
 
 
+def test_linen_partitioned_kernels_convert_as_plain_ones():
+    """lm1b-style ``nn.with_logical_partitioning`` boxes: the converted layer computes
+    ``x @ decoded W + b`` (numpy float64), the same as from the unboxed kernel."""
+
+    class Net(nn.Module):
+        boxed: bool
+
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.lecun_normal()
+            if self.boxed:
+                init = nn.with_logical_partitioning(init, ("embed", "mlp"))
+            return nn.Dense(64, kernel_init=init, name="up")(x)
+
+    x = jax.random.normal(jax.random.key(1), (4, 32), jnp.float32)
+    variables = Net(True).init(jax.random.key(0), x)
+    assert isinstance(variables["params"]["up"]["kernel"], nn.LogicallyPartitioned)
+    model, qvars = mxl.quantize_weights(
+        Net(True), variables, "mxfp8_e4m3", x, exclude_defaults=False
+    )
+    plain = nn.meta.unbox(variables)
+    _, qplain = mxl.quantize_weights(Net(False), plain, "mxfp8_e4m3", x, exclude_defaults=False)
+    y = np.asarray(model.apply(qvars, x), np.float64)
+    kernel = np.asarray(plain["params"]["up"]["kernel"], np.float32)
+    data, scale = ref.quantize(kernel.T, "mxfp8_e4m3")
+    w_hat = ref.dequantize(data, scale, -1, (64, 32)).T
+    y_ref = np.asarray(x, np.float64) @ w_hat
+    assert np.all(np.abs(y - y_ref) <= _dot_bound(np.asarray(x, np.float64), w_hat))
+    np.testing.assert_array_equal(
+        to_bits(qvars["params"]["up"]["kernel"].data),
+        to_bits(qplain["params"]["up"]["kernel"].data),
+    )
+
+
 def _dot_bound(x, w, b=0.0):
     """The float32 rounding bound of ``x @ w + b`` (``K`` terms)."""
     return (x.shape[-1] + 2) * U * (np.abs(x) @ np.abs(w) + np.abs(b))

@@ -170,6 +170,33 @@ def build_generate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cache_note(d_model: int, heads: int) -> str | None:
+    """What ``generate`` will refuse for a model of this shape, said before training it: the KV
+    cache quantizes along ``head_dim = d_model // heads``, which must be a multiple of the cache
+    format's block (32 for the default ``--cache-fmt mxfp8_e4m3``); ``None`` when it is.
+
+    Example:
+        >>> print(cache_note(64, 4))                       # doctest: +NORMALIZE_WHITESPACE
+        note: head_dim 16 (--d-model 64 / --heads 4) is not a multiple of 32: `generate` will
+        refuse its default --cache-fmt mxfp8_e4m3 and the other 32-blocked formats (nvfp4 fits;
+        --heads 2 gives head_dim 32)
+    """
+    head_dim = d_model // heads
+    block = FORMATS["mxfp8_e4m3"].block
+    if head_dim % block == 0:
+        return None
+    fits = sorted(n for n, f in FORMATS.items() if f.span == "block" and head_dim % f.block == 0)
+    hint = [f"{' / '.join(fits)} fits"] if fits else []
+    if d_model % block == 0:
+        h = max(h for h in range(1, d_model // block + 1) if d_model % (block * h) == 0)
+        hint.append(f"--heads {h} gives head_dim {d_model // h}")
+    return (
+        f"note: head_dim {head_dim} (--d-model {d_model} / --heads {heads}) is not a multiple of "
+        f"{block}: `generate` will refuse its default --cache-fmt mxfp8_e4m3 and the other "
+        f"{block}-blocked formats" + (f" ({'; '.join(hint)})" if hint else "")
+    )
+
+
 def generate(argv: list[str]) -> int:
     """``python -m jaxmx.demo generate ...``: prints :func:`jaxmx.demo.serve.serve`'s report."""
     args = build_generate_parser().parse_args(argv)
@@ -219,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")
     print(f"{cfg}\n{recipe}")
+    if note := cache_note(cfg.d_model, cfg.heads):
+        print(note)
     if args.seeds < 0 or (args.diagnose_every is not None and args.diagnose_every < 1):
         raise SystemExit("--seeds must be >= 0 and --diagnose-every >= 1")
     if args.ablate and (args.diagnose or args.seeds):

@@ -28,6 +28,7 @@ import functools
 import inspect
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxmx._src.serving.kv_cache import KVCache, cached_attention, checked_format
@@ -102,13 +103,63 @@ def decode_call(
         head_dim,
     )
     index = module.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not initialized and not module.is_initializing():
+        raise ValueError(
+            f"jaxmx.flax.linen.kv_cache: {_layer(module.scope.path)} has no "
+            "jaxmx.KVCache in its 'cache' collection: its variables were made by an init "
+            "outside `with jaxmx.flax.linen.kv_cache():` (or without the 'cache' collection); "
+            "run init inside it too"
+        )
     if not initialized:
+        for name in ("cached_key", "cached_value"):  # Flax's own decode path trips on these
+            module.variable("cache", name, OutsideKVCacheContext, tuple(module.scope.path))
         x = _stock_attention(module, query, key, value)
     else:
         new = cache.value.update(key, value, index.value)
         x = cached_attention(query, new, length=index.value + query.shape[1])
         cache.value, index.value = new, index.value + query.shape[1]
     return _out(module, inputs_q, x)
+
+
+@jax.tree_util.register_pytree_node_class
+class OutsideKVCacheContext:
+    """What a layer decoding over a ``jaxmx.KVCache`` holds as Flax's ``cached_key`` /
+    ``cached_value``: a pytree without leaves whose ``shape`` (the first thing Flax's own decode
+    step reads) raises, so an ``apply`` outside :func:`kv_cache` says so instead of caching the
+    current token alone (or failing on a missing ``cached_key``).
+
+    Example:
+        >>> OutsideKVCacheContext(("decoder", "attn")).shape
+        Traceback (most recent call last):
+        ...
+        ValueError: jaxmx.flax.linen.kv_cache: the layer 'decoder/attn' decodes over a ...
+    """
+
+    def __init__(self, path: tuple[str, ...] = ()):
+        self.path = tuple(path)
+
+    @property
+    def shape(self):
+        raise ValueError(
+            f"jaxmx.flax.linen.kv_cache: {_layer(self.path)} decodes over a "
+            "jaxmx.KVCache ('cache' collection: kv_cache, cache_index) but this apply runs "
+            "outside `with jaxmx.flax.linen.kv_cache():`, so Flax's own decode step ran; run "
+            "every apply of the decoding model inside it (with the fmt and page_size of init)"
+        )
+
+    def tree_flatten(self):
+        return (), self.path
+
+    @classmethod
+    def tree_unflatten(cls, path, children):
+        return cls(path)
+
+    def __repr__(self) -> str:
+        return f"OutsideKVCacheContext({'/'.join(self.path)!r})"
+
+
+def _layer(path) -> str:
+    return f"the layer {'/'.join(path)!r}" if path else "the top-level layer"
 
 
 def _projections(module, inputs_q, inputs_k, inputs_v):

@@ -155,7 +155,8 @@ def quantize_weights(
     plans = []
     for layer in layers:
         plan = report[layer.path]
-        table = _params_at(params, layer.path, "embedding" if layer.role == EMBEDDING else "kernel")
+        name = "embedding" if layer.role == EMBEDDING else "kernel"
+        table = nn.meta.unbox(_params_at(params, layer.path, name))  # a LogicallyPartitioned box
         stored = None
         if plan.converted:
             axes, features = _axes_and_features(layer.module)

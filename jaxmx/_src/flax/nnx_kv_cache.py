@@ -14,7 +14,7 @@ Example:
     >>> import jaxmx.flax.nnx as mxnnx
     >>> layer = nnx.MultiHeadAttention(2, 64, decode=True, rngs=nnx.Rngs(0))
     >>> mxnnx.init_kv_cache(layer, batch=1, max_len=16)
-    ['']
+    ['.']
     >>> layer(jnp.ones((1, 1, 64))).shape, int(layer.cache_index[...])
     ((1, 1, 64), 1)
 """
@@ -84,15 +84,15 @@ def init_kv_cache(
     Call it instead of the layers' ``init_cache``: each layer becomes a
     :class:`KVCacheAttention` holding ``kv_cache``, an empty ``jaxmx.KVCache.create(batch,
     max_len, num_kv_heads, head_dim, fmt=fmt, page_size=page_size)``, and ``cache_index`` 0.
-    Calling it again empties the caches. Returns the converted layers' paths ("" for ``model``
-    itself); a model without such a layer is a ValueError.
+    Calling it again empties the caches. Returns the converted layers' ``/``-joined paths
+    (``"."`` for ``model`` itself); a model without such a layer is a ValueError.
 
     Example:
         >>> from flax import nnx
         >>> import jaxmx.flax.nnx as mxnnx
         >>> layer = nnx.MultiHeadAttention(4, 128, num_kv_heads=2, rngs=nnx.Rngs(0))
         >>> mxnnx.init_kv_cache(layer, 2, 64, page_size=32)
-        ['']
+        ['.']
         >>> layer.kv_cache.get_value().k_codes.shape   # 2 x 2 pages of 32 tokens, 2 KV heads
         (4, 2, 32, 32)
     """
@@ -110,7 +110,7 @@ def init_kv_cache(
         layer.cached_key = layer.cached_value = nnx.data(None)
         layer.kv_cache = nnx.Cache(cache)
         layer.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
-    return ["/".join(str(p) for p in path) for path, _ in layers]
+    return ["/".join(str(p) for p in path) or "." for path, _ in layers]
 
 
 def _check_decode_call(layer, mask, sow_weights: bool, deterministic) -> None:

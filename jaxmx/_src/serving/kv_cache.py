@@ -7,8 +7,9 @@ contiguous (``[batch, kv_heads, max_len, head_dim]`` codes) or paged (a pool of
 table mapping each sequence's logical pages to physical ones). Attention runs ``Q K^T`` as an MX
 GEMM (:func:`jaxmx.matmul`: the dispatcher's kernel, native where it exists; ``q`` is quantized
 along ``head_dim``, the reduction axis, as K already is), the masks and the softmax in float32,
-then ``P V`` with V decoded exactly to bfloat16 (V's blocks run along ``head_dim``, not along the
-sequence that ``P V`` reduces) in a float32 dot.
+then ``P V`` with V decoded to float32 (V's blocks run along ``head_dim``, not along the sequence
+that ``P V`` reduces) in a float32 dot. Masked keys contribute nothing; visible NaN / inf
+propagate.
 
 Example:
     >>> import jax, jax.numpy as jnp, jaxmx
@@ -27,14 +28,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxmx._src.core.dtypes import as_float_array
-from jaxmx._src.core.formats import FORMATS, Format, get_format
+from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.serving import kv_checks
+from jaxmx._src.serving.kv_checks import checked_format
+from jaxmx._src.serving.masked_attention import masked_pv, masked_softmax, visible_keys
 
 NVFP4_TENSOR_SCALE = 1.0
 """The fixed tensor scale of an NVFP4 cache: tokens are written one step at a time, so the
@@ -108,7 +111,7 @@ class KVCache:
             ("kv_heads", kv_heads),
             ("head_dim", head_dim),
         ):
-            _check_positive_int(n, name)
+            kv_checks.check_positive_int(n, name)
         f = checked_format(fmt)
         if head_dim % f.block:
             raise ValueError(
@@ -118,7 +121,7 @@ class KVCache:
         if page_size is None:
             rows, page_table = (batch, kv_heads, max_len), None
         else:
-            _check_positive_int(page_size, "page_size")
+            kv_checks.check_positive_int(page_size, "page_size")
             pages_per_seq = -(-max_len // page_size)
             rows = (batch * pages_per_seq, kv_heads, page_size)
             page_table = jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, -1)
@@ -156,14 +159,17 @@ class KVCache:
         table = 0 if self.page_table is None else self.page_table.size * 4
         return codes + scales + table
 
-    def update(self, k: jax.Array, v: jax.Array, index) -> KVCache:
+    def update(self, k: jax.Array, v: jax.Array, index, *, checked: bool = False) -> KVCache:
         """The cache with ``k`` and ``v`` (``[batch, new_len, kv_heads, head_dim]``) quantized
         along ``head_dim`` and written at positions ``index .. index + new_len - 1``.
 
         ``index``: an int, an int32 scalar (traced under jit) or a ``[batch]`` vector (one
-        position per sequence). A concrete index out of ``[0, max_len - new_len]`` raises; a
-        traced one cannot be checked: a contiguous cache then clamps the write into range (as
-        ``lax.dynamic_update_slice`` does), a paged one drops the tokens past ``max_len``.
+        position per sequence). ``new_len > max_len`` raises (at trace time under jit), as do a
+        concrete index out of ``[0, max_len - new_len]`` and a concrete page-table entry outside
+        the pool. A traced one is not checked unless ``checked=True`` (a
+        ``jax.experimental.checkify.check``: run the function under ``checkify.checkify``);
+        unchecked, the tokens whose positions fall outside ``[0, max_len)`` or on a page outside
+        the pool are not written, in both layouts.
 
         Example:
             >>> import jax.numpy as jnp, jaxmx
@@ -185,22 +191,25 @@ class KVCache:
         if k.shape != v.shape:
             raise ValueError(f"KVCache.update: k {k.shape} and v {v.shape} differ")
         new_len = k.shape[1]
-        index = _checked_positions(
+        kv_checks.checked_new_len(self, new_len)
+        kv_checks.check_page_table(self, "KVCache.update", checked=checked)
+        index = kv_checks.checked_positions(
             index,
-            self.batch,
+            self,
             self.max_len - new_len,
             "KVCache.update",
             "index",
             f"max_len - new_len = {self.max_len - new_len}",
+            checked=checked,
         )
         (kc, ks), (vc, vs) = (self._quantized(x) for x in (k, v))
-        write = self._paged_write if self.page_size else _contiguous_write
+        rows = self._rows(index, new_len)
         return dataclasses.replace(
             self,
-            k_codes=write(self, self.k_codes, kc, index),
-            k_scales=write(self, self.k_scales, ks, index),
-            v_codes=write(self, self.v_codes, vc, index),
-            v_scales=write(self, self.v_scales, vs, index),
+            k_codes=self._write(self.k_codes, kc, rows),
+            k_scales=self._write(self.k_scales, ks, rows),
+            v_codes=self._write(self.v_codes, vc, rows),
+            v_scales=self._write(self.v_scales, vs, rows),
         )
 
     def _quantized(self, x):
@@ -208,19 +217,31 @@ class KVCache:
         q = quantize(x, self.fmt, -1, global_scale=_tensor_scale(self.format))
         return q.data, q.scale
 
-    @staticmethod
-    def _paged_write(cache, pool, new, index):
-        """``new`` [batch, n, kv_heads, c] scattered into the pool through the page table."""
-        n = new.shape[1]
+    def _rows(self, index, n: int):
+        """Where tokens ``index .. index + n - 1`` go: (leading index, position) ``[batch, n]``
+        each; a token outside ``[0, max_len)`` or on a page outside the pool gets an
+        out-of-bounds leading index (the write drops it)."""
         pos = index[:, None] + jnp.arange(n, dtype=jnp.int32)  # [batch, n]
-        page = jnp.minimum(pos // cache.page_size, cache.page_table.shape[1] - 1)
-        physical = jnp.take_along_axis(cache.page_table, page, axis=1)
-        physical = jnp.where(pos < cache.max_len, physical, pool.shape[0])  # past max_len: drop
-        return pool.at[physical, :, pos % cache.page_size, :].set(new, mode="drop")
+        inside = (pos >= 0) & (pos < self.max_len)
+        if self.page_size is None:
+            lead = jnp.broadcast_to(jnp.arange(self.batch, dtype=jnp.int32)[:, None], pos.shape)
+            return jnp.where(inside, lead, self.batch), pos
+        num_pages = self.k_codes.shape[0]
+        page = jnp.clip(pos // self.page_size, 0, self.page_table.shape[1] - 1)
+        physical = jnp.take_along_axis(self.page_table.astype(jnp.int32), page, axis=1)
+        inside = inside & kv_checks.pages_in_pool(physical, num_pages)
+        return jnp.where(inside, physical, num_pages), pos % self.page_size
+
+    @staticmethod
+    def _write(x, new, rows):
+        """``new`` [batch, n, kv_heads, c] scattered to ``x[lead, :, pos]`` (``rows``)."""
+        lead, pos = rows
+        return x.at[lead, :, pos, :].set(new, mode="drop")
 
     def keys(self) -> MXArray:
         """K as an MXArray ``[batch, kv_heads, max_len, head_dim]`` blocked along head_dim (the
-        pages gathered in logical order for a paged cache)."""
+        pages gathered in logical order for a paged cache; a page-table entry outside the pool
+        reads as NaN)."""
         return self._mx(self.k_codes, self.k_scales)
 
     def values(self) -> MXArray:
@@ -228,15 +249,19 @@ class KVCache:
         return self._mx(self.v_codes, self.v_scales)
 
     def _mx(self, codes, scales) -> MXArray:
-        codes, scales = self._logical(codes), self._logical(scales)
+        codes, scales = self._logical(codes), self._logical(scales, outside=_nan_bytes)
         shape = (self.batch, self.kv_heads, self.max_len, self.head_dim)
         return MXArray(codes, scales, self.fmt, 3, shape, global_scale=_tensor_scale(self.format))
 
-    def _logical(self, x):
-        """Contiguous ``[batch, kv_heads, max_len, c]`` of a (paged) leaf."""
+    def _logical(self, x, outside=None):
+        """Contiguous ``[batch, kv_heads, max_len, c]`` of a (paged) leaf; the pages a
+        page-table entry outside the pool names read as ``outside(shape, dtype)``."""
         if self.page_size is None:
             return x
-        pages = x[self.page_table]  # [batch, pages_per_seq, kv_heads, page_size, c]
+        ok = kv_checks.pages_in_pool(self.page_table, x.shape[0])
+        pages = x[jnp.where(ok, self.page_table, 0)]  # [batch, pages_per_seq, kv_heads, size, c]
+        if outside is not None:
+            pages = jnp.where(ok[:, :, None, None, None], pages, outside((), x.dtype))
         b, p, h, s, c = pages.shape
         return pages.transpose(0, 2, 1, 3, 4).reshape(b, h, p * s, c)[:, :, : self.max_len]
 
@@ -255,6 +280,7 @@ def cached_attention(
     length,
     is_causal: bool = True,
     scale: float | None = None,
+    checked: bool = False,
 ) -> jax.Array:
     """Attention of ``q`` over the first ``length`` tokens of ``cache``.
 
@@ -268,12 +294,20 @@ def cached_attention(
         is_causal: query ``i`` sits at absolute position ``length - q_len + i`` and sees keys
             up to it; ``False``: every query sees all ``length`` keys.
         scale: the logits' scale, default ``1 / sqrt(head_dim)``.
+        checked: check a traced ``length`` (in ``[0, max_len]``) and page table (pages of the
+            pool) when the program runs, with ``jax.experimental.checkify.check`` (run the
+            function under ``checkify.checkify``). Concrete ones are always checked; unchecked,
+            a traced length past ``max_len`` sees every key, a negative one none, and a page
+            outside the pool reads as NaN.
 
     Returns ``[batch, q_len, heads, head_dim]`` in ``q``'s dtype. ``Q K^T`` is
     :func:`jaxmx.matmul` (float32 out) of ``q`` quantized in the cache's format along
     ``head_dim`` and the cached K; the masks and the softmax are float32; ``P V`` is a float32
-    dot of the probabilities and V decoded exactly to bfloat16. A query that sees no key
-    (``length`` 0) gets zeros.
+    dot of the probabilities and V decoded to float32 (exact for the MX formats and NVFP4; block
+    FP8's float32 scale rounds each value once, relative ``2^-24``). A query that sees no key
+    (``length`` 0) gets zeros. Masked keys contribute nothing whatever their bits; a visible
+    NaN or inf in q, K or V propagates as in float attention
+    (:mod:`jaxmx._src.serving.masked_attention`).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxmx
@@ -287,66 +321,37 @@ def cached_attention(
     if not isinstance(cache, KVCache):
         raise TypeError(f"cached_attention: cache must be a jaxmx.KVCache, got {type(cache)}")
     q = as_float_array(q, "cached_attention: q")
-    b, t, heads, d = _checked_query(q, cache)
+    b, t, heads, d = kv_checks.checked_query(q, cache)
     kv_heads = cache.kv_heads
     groups = heads // kv_heads
-    length = _checked_positions(
+    kv_checks.check_page_table(cache, "cached_attention", checked=checked)
+    length = kv_checks.checked_positions(
         length,
-        b,
+        cache,
         cache.max_len,
         "cached_attention",
         "length",
         f"max_len = {cache.max_len}",
-        lowest=0,
+        checked=checked,
     )
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 
     # [b, t, kv_heads * groups, d] -> [b, kv_heads, groups * t, d], quantized along d
     rows = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
-    qq = quantize(rows.reshape(b, kv_heads, groups * t, d), cache.fmt, -1)
+    g = _tensor_scale(cache.format)  # NVFP4: the cache's fixed 1, as K (a NaN stays in its row)
+    qq = quantize(rows.reshape(b, kv_heads, groups * t, d), cache.fmt, -1, global_scale=g)
     logits = matmul(qq, cache.keys(), jnp.float32).reshape(b, kv_heads, groups, t, -1) * scale
-    visible = _visible(length, t, cache.max_len, is_causal)  # [b, t, max_len]
-    p = _masked_softmax(logits, visible[:, None, None])
-    v = dequantize(cache.values(), jnp.bfloat16)  # exact: a code times a power of two
-    out = jnp.einsum(
-        "bkgts,bksd->btkgd",
-        p,
-        v.astype(jnp.float32),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
+    visible = visible_keys(length, t, cache.max_len, is_causal)[:, None, None]  # [b,1,1,t,s]
+    p = masked_softmax(logits, visible)
+    out = masked_pv(p, visible, dequantize(cache.values(), jnp.float32))
     return out.reshape(b, t, heads, d).astype(q.dtype)
 
 
-def _visible(length, t: int, max_len: int, is_causal: bool) -> jax.Array:
-    """``[batch, t, max_len]``: key j is visible to query i (j < length, and with ``is_causal``
-    j <= length - t + i)."""
-    key = jnp.arange(max_len, dtype=jnp.int32)[None, None, :]
-    visible = key < length[:, None, None]
-    if is_causal:
-        query = length[:, None, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :, None]
-        visible = visible & (key <= query)
-    return visible
-
-
-def _masked_softmax(logits: jax.Array, visible: jax.Array) -> jax.Array:
-    """Float32 softmax over the last axis of the visible logits; rows with none visible: 0."""
-    logits = jnp.where(visible, logits, -jnp.inf)
-    top = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return jnp.where(total > 0, e / jnp.where(total > 0, total, 1.0), 0.0)
-
-
-def _contiguous_write(cache: KVCache, x, new, index):
-    """``new`` [batch, n, kv_heads, c] written at ``index`` [batch] of ``x`` [batch, kv_heads,
-    max_len, c]."""
-    new = new.transpose(0, 2, 1, 3)
-
-    def one(x, new, i):
-        return lax.dynamic_update_slice(x, new, (0, i, 0))
-
-    return jax.vmap(one)(x, new, index)
+def _nan_bytes(shape, dtype) -> jax.Array:
+    """NaN of a scale dtype (E8M0's byte 0xFF, E4M3's 0xFF, float32's NaN)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        return lax.bitcast_convert_type(jnp.full(shape, 0xFF, jnp.uint8), dtype)
+    return jnp.full(shape, jnp.nan, dtype)
 
 
 def _zero_bytes(shape, dtype) -> jax.Array:
@@ -358,66 +363,3 @@ def _zero_bytes(shape, dtype) -> jax.Array:
 
 def _tensor_scale(f: Format) -> jax.Array | None:
     return jnp.float32(NVFP4_TENSOR_SCALE) if f.has_global_scale else None
-
-
-def checked_format(fmt) -> Format:
-    """The :class:`Format` a cache holds, by name: a block-scaled one (a ValueError naming the
-    formats otherwise)."""
-    if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise ValueError(
-            f"KVCache.create: unknown fmt {fmt!r}; the cache holds one of jaxmx's formats: "
-            f"{sorted(FORMATS)}"
-        )
-    f = FORMATS[fmt]
-    if f.span != "block":
-        raise ValueError(
-            f"KVCache.create: fmt {fmt!r} has one scale per {f.span}, which tokens written a "
-            "step at a time cannot share; the cache takes a block-scaled format: "
-            f"{sorted(name for name, g in FORMATS.items() if g.span == 'block')}"
-        )
-    return f
-
-
-def _check_positive_int(n, name: str) -> None:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"KVCache.create: {name} must be a positive int, got {n!r}")
-
-
-def _checked_query(q: jax.Array, cache: KVCache) -> tuple[int, int, int, int]:
-    if q.ndim != 4 or q.shape[0] != cache.batch or q.shape[3] != cache.head_dim:
-        raise ValueError(
-            f"cached_attention: q must be [batch={cache.batch}, q_len, heads, "
-            f"head_dim={cache.head_dim}], got {q.shape}"
-        )
-    b, t, heads, d = q.shape
-    if heads % cache.kv_heads:
-        raise ValueError(
-            f"cached_attention: q's {heads} heads must be a multiple of the cache's "
-            f"{cache.kv_heads} kv_heads (grouped-query attention)"
-        )
-    if t > cache.max_len:
-        raise ValueError(f"cached_attention: q_len {t} exceeds the cache's max_len {cache.max_len}")
-    return b, t, heads, d
-
-
-def _checked_positions(
-    x, batch: int, highest: int, where: str, name: str, bound: str, lowest: int = 0
-) -> jax.Array:
-    """``x`` (int, int scalar or [batch] vector) as an int32 [batch] vector; a concrete value
-    outside ``[lowest, highest]`` raises."""
-    if isinstance(x, bool) or not (isinstance(x, (int, np.integer)) or hasattr(x, "dtype")):
-        raise TypeError(f"{where}: {name} must be an int or an integer array, got {x!r}")
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{where}: {name} must be an integer, got dtype {x.dtype}")
-    if x.shape not in ((), (batch,)):
-        raise ValueError(
-            f"{where}: {name} must be a scalar or a [batch={batch}] vector, got shape {x.shape}"
-        )
-    if not isinstance(x, jax.core.Tracer):
-        concrete = np.asarray(x)
-        if concrete.min() < lowest or concrete.max() > highest:
-            raise ValueError(
-                f"{where}: {name} {concrete.tolist()} out of range [{lowest}, {highest}] ({bound})"
-            )
-    return jnp.broadcast_to(x.astype(jnp.int32), (batch,))

@@ -269,6 +269,9 @@ def test_unreadable_telemetry_is_refused_by_name():
         with pytest.raises(TypeError, match="a GEMM name must be a non-empty str"):
             with diagnostics.named(bad):
                 pass
+    params, x = make_params()
+    with pytest.raises(ValueError, match=r"GEMM 'layer0', leg lhs: x of shape .* is empty"):
+        jax.eval_shape(lambda p, x: three_layers(p, x, None), params, x[:0])
     stats = diagnostics.leg_stats(jnp.ones((4, 32)), "mxfp8_e4m3", 1, "rceil")
     forward = {"a": diagnostics.ForwardLegs(jnp.int32(0), stats, stats)}
     report = diagnostics.telemetry_report(forward, {"a": diagnostics.GradientLegs(stats, stats)})

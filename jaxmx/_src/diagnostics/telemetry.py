@@ -113,11 +113,14 @@ LEGS = ("lhs", "rhs", "dgrad", "wgrad")
 """The legs in program order within a GEMM: forward operands, then the gradient's copies."""
 
 
-def leg_stats(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
-    """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding)."""
+def leg_stats(
+    x: jax.Array, fmt: str, axis: int, scale_mode: str, *, where: str = "leg_stats"
+) -> LegStats:
+    """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding); an empty ``x``
+    is a ValueError naming ``where``."""
     if math.prod(np.shape(x)) == 0:
         raise ValueError(
-            f"leg_stats: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "
+            f"{where}: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "
             "operand without elements has no blocks to measure"
         )
     s = block_stats(jax.lax.stop_gradient(x), fmt, axis=axis, scale_mode=scale_mode)
@@ -179,7 +182,9 @@ class Telemetry:
         if discovered is not None:
             discovered.append(name)
         self.forward[name] = ForwardLegs(
-            index=jnp.int32(len(self.forward)), lhs=_leg_stats(lhs), rhs=_leg_stats(rhs)
+            index=jnp.int32(len(self.forward)),
+            lhs=_leg_stats(lhs, f"telemetry of GEMM {name!r}, leg lhs"),
+            rhs=_leg_stats(rhs, f"telemetry of GEMM {name!r}, leg rhs"),
         )
         if self.taps is None:
             return None
@@ -191,9 +196,9 @@ class Telemetry:
         return Tap(self.taps[name], gradient_legs)
 
 
-def _leg_stats(leg: Leg) -> LegStats:
+def _leg_stats(leg: Leg, where: str = "telemetry") -> LegStats:
     """:func:`leg_stats` of a GEMM's :class:`~jaxmx._src.training.scope.Leg`."""
-    return leg_stats(leg.x, leg.fmt, leg.axis, leg.scale_mode)
+    return leg_stats(leg.x, leg.fmt, leg.axis, leg.scale_mode, where=where)
 
 
 def gradient_legs(dgrad: Leg, wgrad: Leg) -> GradientLegs:

@@ -1,7 +1,8 @@
 """Checkpoints in the formats open-weight models ship: Hugging Face style directories whose
 quantized weights (transformers' fine-grained FP8, MXFP8 and gpt-oss MXFP4, compressed-tensors'
 FP8 / MXFP8 / MXFP4 / NVFP4, NVIDIA ModelOpt's NVFP4) load as MXArrays with no decode and are
-written back bit for bit (docs/checkpoints.md).
+written back bit for bit (docs/checkpoints.md); and orbax checkpoints of trees of MXArrays that
+keep each MXArray's format (:func:`save_orbax` / :func:`restore_orbax`, docs/serving.md).
 
 Example:
     >>> import tempfile, jax.numpy as jnp, jaxmx
@@ -15,6 +16,12 @@ Example:
 """
 
 from jaxmx._src.checkpoints.directory import Checkpoint, load, save
+from jaxmx._src.checkpoints.orbax_layout import (
+    check_mx_layout,
+    mx_layout,
+    restore_orbax,
+    save_orbax,
+)
 from jaxmx._src.checkpoints.safetensors_files import CheckpointError
 from jaxmx._src.checkpoints.scheme import LAYOUTS, METHODS, SCALE_DTYPES, Scheme
 
@@ -25,6 +32,10 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "Scheme",
+    "check_mx_layout",
     "load",
+    "mx_layout",
+    "restore_orbax",
     "save",
+    "save_orbax",
 ]

@@ -59,8 +59,21 @@ def test_async_start_counts_its_results_once():
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="collective kind"):
-        jaxmx.diagnostics.collective_bytes("").of("allgather")
+        jaxmx.diagnostics.collective_bytes("HloModule m").of("allgather")
     with pytest.raises(ValueError, match="unknown HLO dtype 'q7'"):
         jaxmx.diagnostics.collective_bytes("%a = q7[4]{0} all-reduce(q7[4]{0} %b)")
     with pytest.raises(TypeError, match="compiled program"):
         jaxmx.diagnostics.collective_bytes(np.zeros(3))
+
+
+def test_what_is_not_optimized_hlo_is_refused():
+    lowered = jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32))
+    with pytest.raises(TypeError, match=r"Lowered.*pass lowered.compile\(\)"):
+        jaxmx.diagnostics.collective_bytes(lowered)
+    with pytest.raises(ValueError, match="StableHLO"):
+        jaxmx.diagnostics.collective_bytes(lowered.as_text())
+    for text in ("", "all-gather of 4 bytes", "hello\nworld"):
+        with pytest.raises(ValueError, match="the text is not HLO"):
+            jaxmx.diagnostics.collective_bytes(text)
+    compiled = jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32)).compile()
+    assert jaxmx.diagnostics.collective_bytes(compiled).count == {}  # HLO: read, no traffic

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import reference as ref
@@ -126,6 +127,30 @@ def test_nvfp4_block_stats_equal_the_definitions(scale):
 def test_nvfp4_nan_tensor_makes_every_block_nonfinite():
     s = jaxmx.diagnostics.block_stats(jnp.asarray(adversarial()), "nvfp4")
     assert (np.asarray(s.scale_exp) == 128).all() and np.isnan(np.asarray(s.underflow)).all()
+
+
+def test_nvfp4_summary_counts_every_block_of_a_nan_tensor_and_leaks_no_nan():
+    x = np.ones((2, 64), np.float32)
+    x[0, 3] = np.nan  # the tensor scale is NaN: every block is non-finite
+    summary = jaxmx.diagnostics.block_stats(jnp.asarray(x), "nvfp4").summary()
+    assert (summary["blocks"], summary["nonfinite_blocks"]) == (0, 8)
+    numbers = {k: v for k, v in summary.items() if isinstance(v, float)}
+    assert not any(np.isnan(v) for v in numbers.values()), numbers
+
+
+def test_a_block_that_dequantizes_to_inf_is_saturated():
+    x = np.full((2, 32), 3.4e38, np.float32)
+    x[1] = np.linspace(1, 2, 32, dtype=np.float32)
+    s = jaxmx.diagnostics.block_stats(jnp.asarray(x))
+    # numpy: rceil scale 2^e, e = ceil(log2(amax / 448)); codes rounded to E4M3; times 2^e
+    e = np.ceil(np.log2(np.abs(x).max(axis=1, keepdims=True) / 448.0))
+    codes = (x / 2.0**e).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    with np.errstate(over="ignore"):
+        dequantized = (codes * 2.0**e).astype(np.float32)
+    overflow = np.mean(np.isinf(dequantized), axis=1)
+    np.testing.assert_array_equal(np.asarray(s.saturated)[:, 0], overflow)
+    assert overflow[0] == 1.0 and float(s.sqnr_db[0, 0]) == -np.inf
+    assert float(s.sqnr_db[1, 0]) > 30  # the finite block as before
 
 
 def test_the_statistics_see_what_they_should():

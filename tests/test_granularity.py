@@ -64,10 +64,11 @@ def reference(x, level, element):
         codes = _cast(g * r, dtype, elem_max)
         xhat = (codes * s) * t
     elif level == "mx32":  # E8M0 rceil: 2^ceil(log2(amax / elem_max))
-        mant, ex = np.frexp(amax * np.float32(1 / elem_max))
-        e = np.where(mant == 0.5, ex - 1, ex).astype(np.float32)
-        codes = _cast(g * np.float32(2.0) ** -e, dtype, elem_max)
-        xhat = codes * np.float32(2.0) ** e
+        mant, ex = np.frexp(amax.astype(np.float64) / elem_max)
+        e = np.clip(np.where(mant == 0.5, ex - 1, ex), -127, 127)  # E8M0's range
+        codes = _cast((g * 2.0**-e).astype(np.float32), dtype, elem_max)
+        xhat = codes * 2.0**e  # float64: an overflow of float32 shows as inf below
+        xhat = xhat.astype(np.float32)
     else:  # block FP8: float32 scale amax / elem_max
         s = np.maximum(amax / np.float32(elem_max), np.float32(2.0**-126))
         codes = _cast(g / s, dtype, elem_max)
@@ -76,10 +77,11 @@ def reference(x, level, element):
 
 
 def reference_stats(x, level, element):
-    _, _, emin = ELEMENTS[element]
+    _, elem_max, emin = ELEMENTS[element]
     codes, xhat, groups = reference(x, level, element)
     nonzero = x != 0
     x64, e64 = x.astype(np.float64), (x.astype(np.float64) - xhat)
+    groups = groups.astype(np.float64)
     spans = np.abs(groups).max(axis=1) / groups.std(axis=1)
     return {
         "underflow": np.mean(np.abs(codes[nonzero]) < 2.0**emin),
@@ -88,6 +90,8 @@ def reference_stats(x, level, element):
         "span_max": spans.max(),
         "span_p50": np.percentile(spans, 50, method="inverted_cdf"),
         "groups": spans.size,
+        "nonfinite": np.mean(~np.isfinite(xhat)),
+        "saturated": np.mean(np.isinf(xhat[nonzero]) | (np.abs(codes[nonzero]) == elem_max)),
     }
 
 
@@ -201,6 +205,99 @@ def test_bad_input():
     assert "128x128" not in diagnostics.granularity(jnp.ones(256)).names
     with pytest.raises(ValueError, match="measures the weights only"):
         diagnostics.advise(lambda x: x.sum(), x, levels=("128x128",))
+
+
+# --- NaN, inf, subnormals, overflow: the statistics count them -------------------------------
+
+TRUTH_LEVELS = ("tensor", "row", "1x128", "mx32")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_nan_or_inf_breaks_every_level_and_nothing_is_recommended(bad):
+    x = _normal((4, 256))
+    x[1, 40] = bad
+    g = diagnostics.granularity(jnp.asarray(x), levels=TRUTH_LEVELS)
+    for level, stats in g.levels.items():
+        # numpy: every element of a group (one scale) holding the NaN / inf dequantizes to NaN
+        group = {"tensor": x.size, "row": 256, "1x128": 128, "mx32": 32}[level]
+        np.testing.assert_equal(float(stats.nonfinite), group / x.size, err_msg=level)
+        for field in ("underflow", "flushed", "saturated", "sqnr_db", "span_max", "span_p50"):
+            assert np.isnan(float(getattr(stats, field))), (level, field)
+    assert g.holds_nonfinite
+    rec = g.recommendation
+    assert rec.level is None and "NaN or inf" in rec.reason and "tensor 100%" in rec.reason
+    assert "recommendation: none" in str(g)
+
+
+def test_subnormal_inputs_are_not_zeros():
+    x = _normal((4, 256))
+    x[:, ::2] = np.float32(1e-39)  # half of the tensor subnormal: flushed per tensor
+    sub = np.full((4, 256), 1e-39, np.float32) * (1 + np.arange(256, dtype=np.float32) / 256)
+    for case in (x, sub):
+        g = diagnostics.granularity(jnp.asarray(case), levels=("tensor", "row", "mx32"))
+        for level, stats in g.levels.items():
+            ref = reference_stats(case, level, "fp8_e4m3")
+            for field in ("underflow", "flushed", "span_max", "span_p50"):
+                np.testing.assert_allclose(
+                    float(getattr(stats, field)), ref[field], rtol=1e-5, err_msg=(level, field)
+                )
+            np.testing.assert_allclose(float(stats.sqnr_db), ref["sqnr_db"], atol=1e-3)
+    assert float(g.levels["tensor"].flushed) == 1.0  # the all-subnormal tensor, per tensor
+
+
+def test_huge_values_do_not_overflow_the_statistics():
+    x = _normal((4, 256)) * np.float32(1e20)  # x^2 overflows float32
+    g = diagnostics.granularity(jnp.asarray(x), levels=("tensor", "row", "mx32"))
+    for level, stats in g.levels.items():
+        ref = reference_stats(x, level, "fp8_e4m3")
+        for field in ("span_max", "span_p50", "underflow"):
+            np.testing.assert_allclose(
+                float(getattr(stats, field)), ref[field], rtol=1e-5, err_msg=(level, field)
+            )
+        np.testing.assert_allclose(float(stats.sqnr_db), ref["sqnr_db"], atol=1e-3)
+        assert float(stats.nonfinite) == 0.0
+
+
+def test_a_block_that_dequantizes_to_inf_is_saturated_not_exact():
+    x = np.full((1, 64), 3.4e38, np.float32)  # mx32: 3.4e38 / 2^120 rounds to 256: 2^128 = inf
+    x[0, 32:] = 1.0
+    g = diagnostics.granularity(jnp.asarray(x), levels=("tensor", "mx32"))
+    mx = g.levels["mx32"]
+    with np.errstate(over="ignore", divide="ignore"):
+        ref = reference_stats(x, "mx32", "fp8_e4m3")
+    assert ref["nonfinite"] == 0.5  # numpy: the first block's dequantized values are inf
+    np.testing.assert_equal(float(mx.nonfinite), ref["nonfinite"])
+    np.testing.assert_equal(float(mx.saturated), ref["saturated"])
+    assert float(mx.sqnr_db) == -np.inf
+    rec = g.recommendation  # per tensor stays finite: it is the one recommended
+    assert rec.level == "tensor" and "mx32: dequantized values overflow" in rec.reason
+
+
+def test_unreadable_input_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"x of shape \(0, 128\) is empty"):
+        diagnostics.granularity(jnp.zeros((0, 128)))
+    x = jnp.asarray(no_outliers())
+    g = diagnostics.granularity(x, levels=("tensor",), underflow_budget=np.float32(0.01))
+    assert g.recommendation.level == "tensor"
+    with pytest.raises(ValueError, match="must be a number in"):
+        diagnostics.granularity(x, underflow_budget="0.01")
+    batch = jax.vmap(lambda x: diagnostics.granularity(x, levels=("tensor",)))(x[None])
+    with pytest.raises(ValueError, match=r"statistics of shape \(1,\).*jax.vmap"):
+        batch.recommend(0.01)
+
+
+def test_advice_flags_a_nan_leg_and_refuses_to_map_it():
+    def loss(w, x):
+        with diagnostics.named("proj"):
+            return (jaxmx.dot_general(x, w, (((1,), (0,)), ((), ()))) ** 2).sum()
+
+    x, w = jax.random.normal(jax.random.key(0), (2, 32, 64))
+    advice = diagnostics.advise(loss, w.T.at[3, 5].set(jnp.nan), x, levels=("tensor", "mx32"))
+    assert advice.nonfinite["proj"][0] == "rhs"  # the weight; the gradients follow from it
+    assert advice["proj"].level is None and "NaN or inf" in advice["proj"].reason
+    assert "NaN/inf" in str(advice)
+    with pytest.raises(ValueError, match=r"no level for GEMM\(s\) \{'proj'"):
+        advice.recipes()
 
 
 # --- in training --------------------------------------------------------------------------------

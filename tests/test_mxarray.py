@@ -148,3 +148,12 @@ def test_dequantize_refuses_output_dtypes_that_cannot_hold_nan():
         with pytest.raises(TypeError, match="dequantize: dtype"):
             jaxmx.dequantize(q, dtype)
     assert np.isnan(np.asarray(jaxmx.dequantize(q, jnp.bfloat16), np.float32)[0])
+
+
+def test_a_negative_axis_counts_from_the_end_and_asarray_points_to_dequantize():
+    q = jaxmx.quantize(jnp.ones((4, 64)), "mxfp8_e4m3", axis=-1)
+    assert jaxmx.MXArray(q.data, q.scale, q.fmt, -1, (4, 64)).axis == 1
+    with pytest.raises(ValueError, match="axis -3 is not an axis of shape"):
+        jaxmx.MXArray(q.data, q.scale, q.fmt, -3, (4, 64))
+    with pytest.raises(TypeError, match=r"jaxmx.dequantize\(q\) gives the array"):
+        jnp.asarray(q)

@@ -321,6 +321,42 @@ def test_linen_orbax_round_trip_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(model.apply(restored, IDS), model.apply(qvars, IDS))
 
 
+def test_plain_orbax_casts_a_weight_into_another_format_by_value(tmp_path):
+    """Why save_orbax exists: the format is static metadata, not in a plain checkpoint."""
+    w = jaxmx.quantize(jnp.linspace(-3.0, 3.0, 64).reshape(2, 32), "mxfp8_e4m3")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", {"w": w})
+    checkpointer.wait_until_finished()
+    e5m2 = jaxmx.quantize(jnp.zeros((2, 32)), "mxfp8_e5m2")
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"w": e5m2})
+    restored = checkpointer.restore(tmp_path / "ckpt", target)["w"]
+    assert restored.fmt == "mxfp8_e5m2"  # the codes were cast by value: the weight changed
+    assert np.abs(np.asarray(jaxmx.dequantize(restored) - jaxmx.dequantize(w))).max() > 0
+
+
+def test_save_orbax_keeps_each_weights_format(tmp_path):
+    net, *_ = _converted_nnx("mxfp8_e4m3")
+    graphdef, state = nnx.split(net)
+    jaxmx.checkpoints.save_orbax(tmp_path / "ckpt", state)
+    restored = jaxmx.checkpoints.restore_orbax(tmp_path / "ckpt", state)
+    _assert_bits_equal(restored, state)
+    np.testing.assert_array_equal(nnx.merge(graphdef, restored)(IDS), net(IDS))
+    for fmt, tile, wrong in (("mxfp8_e5m2", None, "mxfp8_e5m2"), ("nvfp4", (16, 16), "tile")):
+        other, *_ = _converted_nnx(fmt, tile)
+        with pytest.raises(
+            ValueError, match=rf"\['kernel'\].value was saved as an mxfp8_e4m3 MXArray.*{wrong}"
+        ):
+            jaxmx.checkpoints.restore_orbax(tmp_path / "ckpt", nnx.split(other)[1])
+    with pytest.raises(ValueError, match="the target holds no MXArray there"):
+        jaxmx.checkpoints.restore_orbax(tmp_path / "ckpt", nnx.split(NnxNet(nnx.Rngs(0)))[1])
+
+
+def test_an_integer_input_is_refused_as_the_input():
+    net, *_ = _converted_nnx("mxfp8_e4m3")
+    with pytest.raises(TypeError, match="layer's input must be a floating-point array, got int32"):
+        net.up(jnp.ones((2, D), jnp.int32))
+
+
 @pytest.mark.parametrize(
     "case, low, high",
     [

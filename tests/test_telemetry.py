@@ -262,6 +262,24 @@ def test_misuse_is_refused_with_a_clear_error():
         jaxmx.dot_general(x, params[0], DIMS, recipe=jaxmx.recipes.DEEPSEEK_FP8)
 
 
+def test_unreadable_telemetry_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"leg_stats: x of shape \(0, 64\) is empty"):
+        diagnostics.leg_stats(jnp.zeros((0, 64)), "mxfp8_e4m3", 1, "rceil")
+    for bad in (None, 5, ""):
+        with pytest.raises(TypeError, match="a GEMM name must be a non-empty str"):
+            with diagnostics.named(bad):
+                pass
+    params, x = make_params()
+    with pytest.raises(ValueError, match=r"GEMM 'layer0', leg lhs: x of shape .* is empty"):
+        jax.eval_shape(lambda p, x: three_layers(p, x, None), params, x[:0])
+    stats = diagnostics.leg_stats(jnp.ones((4, 32)), "mxfp8_e4m3", 1, "rceil")
+    forward = {"a": diagnostics.ForwardLegs(jnp.int32(0), stats, stats)}
+    report = diagnostics.telemetry_report(forward, {"a": diagnostics.GradientLegs(stats, stats)})
+    assert list(report) == ["a"]
+    with pytest.raises(ValueError, match=r"gradient entries \['b'\] match no forward GEMM"):
+        diagnostics.telemetry_report(forward, {"b": diagnostics.GradientLegs(stats, stats)})
+
+
 @pytest.mark.parametrize(
     "transform",
     [

@@ -30,6 +30,12 @@ def advise_model(model, cfg, budget: float) -> diagnostics.Advice:
     return diagnostics.advise(loss_fn, model, x, y, underflow_budget=budget)
 
 
+def _level_index(g) -> float:
+    """The index of a leg's level in the ladder; NaN (blank) for a leg holding NaN or inf."""
+    level = g.recommendation.level
+    return np.nan if level is None else diagnostics.LEVELS.index(level)
+
+
 def plot(advice: diagnostics.Advice, path: str | Path) -> Path:
     """A PNG: layer x leg, colored by the level each leg needs."""
     import matplotlib
@@ -41,12 +47,7 @@ def plot(advice: diagnostics.Advice, path: str | Path) -> Path:
     legs = diagnostics.LEGS
     values = np.array(
         [
-            [
-                diagnostics.LEVELS.index(advice[n].legs[leg].recommendation.level)
-                if leg in advice[n].legs
-                else np.nan
-                for leg in legs
-            ]
+            [_level_index(advice[n].legs[leg]) if leg in advice[n].legs else np.nan for leg in legs]
             for n in names
         ]
     )

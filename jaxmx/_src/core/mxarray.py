@@ -70,7 +70,8 @@ class MXArray:
             last two axes divided by the tile's sides). Per-row formats: ``axis`` of size 1;
             per-tensor formats: all ones.
         fmt: the format name (static).
-        axis: the (non-negative) block axis (static); with ``tile``, the last axis.
+        axis: the block axis (static; stored non-negative, a negative one counts from the end
+            as :func:`jaxmx.quantize`'s does); with ``tile``, the last axis.
         shape: the logical, unpadded shape (static).
         tile: ``None`` (1-D blocks along ``axis``) or ``(rows, cols)``: one scale per tile of the
             last two axes (static).
@@ -129,6 +130,12 @@ class MXArray:
         if self.global_scale is not None:
             scales += self.global_scale.size * 4
         return self.data.size * self.format.storage_bits // 8 + scales
+
+    def __jax_array__(self):
+        raise TypeError(
+            f"an {self.fmt} MXArray holds codes and block scales, not values: "
+            "jaxmx.dequantize(q) gives the array (jnp.asarray cannot)"
+        )
 
     def __repr__(self) -> str:
         tile = f", tile={self.tile}" if self.tile else ""
@@ -243,9 +250,9 @@ def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | No
     """
     f = get_format(q.fmt)
     shape = _shape(q.shape, where)
-    if isinstance(q.axis, bool) or not _is_index(q.axis) or not 0 <= q.axis < len(shape):
+    if isinstance(q.axis, bool) or not _is_index(q.axis) or not -len(shape) <= q.axis < len(shape):
         raise ValueError(f"{where}: MXArray axis {q.axis!r} is not an axis of shape {shape}")
-    axis = operator.index(q.axis)
+    axis = operator.index(q.axis) % len(shape)  # -1: the last, as quantize takes it
     data_shape, data_dtype = _shape_and_dtype(q.data, "data", where)
     scale_shape_, scale_dtype = _shape_and_dtype(q.scale, "scale", where)
     elements, held = (f.dtype, "codes") if isinstance(q, MXArray) else (jnp.float32, "values")

@@ -29,6 +29,10 @@ from jaxmx._src.quantize.codec import decode_elements, scale_exponent_bytes
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.quantize.scales import scaled_blocks
 
+NAN_SCALE_EXP = 128
+"""``BlockStats.scale_exp`` of a block whose scale is NaN (it, or for NVFP4 its tensor, holds
+NaN or inf)."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +57,14 @@ class BlockStats:
             an all-zero block.
         flushed: the fraction of the block's non-zero elements that quantize to zero.
         saturated: the fraction of non-zero elements with ``|x| / 2^e`` above the format's
-            largest value, i.e. clipped (0 under ``rceil``).
+            largest value, i.e. clipped (0 under ``rceil``), or whose dequantized value
+            overflows float32 (inf; a block near float32's largest value).
         sqnr_db: ``10 log10(sum x^2 / sum (x - dequantized)^2)``; ``inf`` where the block is
-            reproduced exactly (an all-zero block included).
+            reproduced exactly (an all-zero block included), ``-inf`` where an element
+            dequantizes to inf.
 
-    The fractions and ``sqnr_db`` are NaN for blocks holding NaN or inf.
+    The fractions and ``sqnr_db`` are NaN for blocks holding NaN or inf (the blocks with
+    ``scale_exp == 128``: for NVFP4 every block of a tensor holding one).
     """
 
     amax: jax.Array
@@ -68,6 +75,11 @@ class BlockStats:
     saturated: jax.Array
     sqnr_db: jax.Array
     fmt: str = dataclasses.field(metadata=dict(static=True))
+
+    def nonfinite_blocks(self) -> np.ndarray:
+        """numpy bools, one per block: the blocks whose scale is NaN (``scale_exp == 128``):
+        those holding NaN or inf, and for NVFP4 every block of a tensor holding one."""
+        return np.asarray(self.scale_exp) == NAN_SCALE_EXP
 
     def summary(self, bins: int = 16) -> dict:
         """Tail statistics over all blocks, as Python numbers and numpy histograms.
@@ -81,7 +93,7 @@ class BlockStats:
         are left out of every statistic but ``nonfinite_blocks``.
         """
         f = get_format(self.fmt)
-        finite = np.isfinite(np.asarray(self.amax)).ravel()
+        finite = ~self.nonfinite_blocks().ravel()
 
         def values(a):  # the finite blocks' values of a statistic
             return np.asarray(a, np.float64).ravel()[finite]
@@ -164,7 +176,7 @@ def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> Bloc
         is_nan_scale = jnp.isnan(s)
         effective = bits.multiply_exact(s, g)  # the block's scale s * g
         scale_exp = ((bits.to_bits(effective) >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
-        scale_exp = jnp.where(is_nan_scale, 128, scale_exp)
+        scale_exp = jnp.where(is_nan_scale, NAN_SCALE_EXP, scale_exp)
         magnitude = jnp.abs(nvfp4.scaled_elements(xb, s, g))  # what the quantizer rounds
         below_normal, above_largest = magnitude < 2.0**f.emin, magnitude > f.elem_max
         # units: 2^k, the block's own power-of-two (MXFP4 rceil) scale
@@ -174,7 +186,7 @@ def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> Bloc
     else:
         byte = scale_exponent_bytes(q.scale).reshape(block_shape)
         is_nan_scale = byte == bits.E8M0_NAN
-        scale_exp = jnp.where(is_nan_scale, 128, byte - bits.EXPONENT_BIAS)
+        scale_exp = jnp.where(is_nan_scale, NAN_SCALE_EXP, byte - bits.EXPONENT_BIAS)
         scaled = bits.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))  # exact
         # thresholds on the scaled value |x| / 2^e, moved to x's scale and compared as bits
         smallest_normal = bits.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
@@ -194,11 +206,15 @@ def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> Bloc
         hits = jnp.sum(nonzero & condition, axis=2)
         return jnp.where(n_nonzero > 0, hits / jnp.maximum(n_nonzero, 1), 0.0)
 
+    # a finite element whose dequantized value is inf (block near float32's largest value)
+    dequantized = blocked(dequantize(q, jnp.float32), axis, f.block)
+    overflow = jnp.isfinite(xb) & ~jnp.isfinite(dequantized)
     underflow = fraction(below_normal)
-    saturated = fraction(above_largest)
+    saturated = fraction(above_largest | overflow)
     flushed = fraction(codes == 0)
     signal = jnp.sum(scaled**2, axis=2)
     noise = jnp.sum(jnp.where(valid, (scaled - codes) ** 2, 0.0), axis=2)
+    noise = jnp.where(jnp.any(valid & overflow, axis=2), jnp.inf, noise)
     sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(signal / noise))
 
     nonfinite = jnp.squeeze(is_nan_scale, 2)

@@ -31,6 +31,8 @@ import dataclasses
 import math
 import re
 
+import jax
+
 COLLECTIVES = (
     "all-gather",
     "all-reduce",
@@ -71,6 +73,25 @@ _INSTRUCTION = re.compile(rf"=\s*(?P<type>.+?)\s+(?P<kind>{_KINDS})(?P<start>-st
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
+# an HLO instruction: "[ROOT] [%]name = <dtype>[dims] ..." or "... = (tuple) ..."
+_HLO_LINE = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s*(\(|[a-z][a-z0-9]*\[)", re.MULTILINE)
+_MLIR = ("stablehlo.", "mhlo.", "func.func")
+
+
+def _check_hlo(text: str) -> None:
+    """A ValueError unless ``text`` reads as HLO (an ``HloModule`` or HLO instructions)."""
+    if any(marker in text for marker in _MLIR):
+        raise ValueError(
+            "collective_bytes: the text is StableHLO / MLIR (a Lowered program's), not the "
+            "optimized HLO; pass jax.jit(f).lower(...).compile() or its as_text()"
+        )
+    if "HloModule" not in text and _HLO_LINE.search(text) is None:
+        raise ValueError(
+            f"collective_bytes: the text is not HLO (no HloModule and no HLO instruction): "
+            f"{text[:80]!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveBytes:
     """Bytes moved per device by one compiled program, by collective kind and dtype.
@@ -105,13 +126,23 @@ def collective_bytes(compiled) -> CollectiveBytes:
 
     Returns:
         A :class:`CollectiveBytes`.
+
+    Raises:
+        TypeError: a ``jax.stages.Lowered`` (not yet partitioned: compile it) or another object.
+        ValueError: text that is not HLO (StableHLO included), an unknown HLO dtype.
     """
+    if isinstance(compiled, jax.stages.Lowered):
+        raise TypeError(
+            "collective_bytes: got a jax.stages.Lowered, whose text is StableHLO before SPMD "
+            "partitioning (no collectives yet); pass lowered.compile()"
+        )
     as_text = getattr(compiled, "as_text", None)
     text = compiled if isinstance(compiled, str) else as_text() if callable(as_text) else None
     if not isinstance(text, str):
         raise TypeError(
             f"collective_bytes: expected a compiled program or its HLO text, got {type(compiled)}"
         )
+    _check_hlo(text)
     moved: dict[tuple[str, str], float] = collections.Counter()
     count: dict[str, int] = collections.Counter()
     for line in text.splitlines():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -37,6 +38,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
@@ -48,6 +50,7 @@ from jaxmx._src.core.recipes import (
     NVFP4,
     Recipe,
 )
+from jaxmx._src.diagnostics.block_stats import _bits_less
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -110,9 +113,9 @@ class LevelStats(NamedTuple):
             format's smallest normal (a subnormal, or zero): they keep fewer mantissa bits.
         flushed: the fraction of non-zero elements whose code is zero.
         saturated: the fraction of non-zero elements clipped at the format's largest value
-            (beyond its rounding interval).
+            (beyond its rounding interval), or whose dequantized value overflows float32 (inf).
         sqnr_db: ``10 log10(sum x^2 / sum (x - dequantized)^2)`` over the tensor (``inf``:
-            exact).
+            exact; ``-inf``: a finite element dequantizes to inf).
         span_p50, span_p90, span_p99, span_max: quantiles of the groups' span ratio
             ``amax_g / std_g`` (population std; as :class:`jaxmx.diagnostics.BlockStats`), one
             group per scale of the level; ``span_pq`` is the smallest span with at least q% of
@@ -120,6 +123,13 @@ class LevelStats(NamedTuple):
         span_above_2_10, span_above_limit: the fraction of groups whose span ratio exceeds
             ``2^10`` and the format's span (``elem_max`` over its smallest normal).
         groups: the number of groups (scales).
+        nonfinite: the fraction of elements whose dequantized value is NaN or inf (an input NaN
+            or inf, every element of a group whose scale it makes NaN, an overflow).
+
+    A tensor holding NaN or inf has NaN for every statistic but ``nonfinite`` and ``groups``:
+    its quantization cannot be read (per tensor, every element dequantizes to NaN).
+    Statistics are computed from the float32 bits or on values scaled by a power of two, so
+    subnormal inputs count as non-zero and magnitudes up to float32's largest do not overflow.
     """
 
     underflow: jax.Array
@@ -133,12 +143,15 @@ class LevelStats(NamedTuple):
     span_above_2_10: jax.Array
     span_above_limit: jax.Array
     groups: jax.Array
+    nonfinite: jax.Array
 
 
 class Recommendation(NamedTuple):
-    """The coarsest level that keeps underflow within the budget, and why (text)."""
+    """The coarsest level that keeps underflow within the budget, and why (text). ``level`` is
+    ``None`` when no level can be recommended: the tensor holds NaN or inf, or every level's
+    dequantized values overflow (the reason says which)."""
 
-    level: str
+    level: str | None
     reason: str
 
 
@@ -174,35 +187,79 @@ class Granularity:
         """:meth:`recommend` under :attr:`underflow_budget`."""
         return self.recommend(self.underflow_budget)
 
+    @property
+    def holds_nonfinite(self) -> bool:
+        """Whether the tensor held NaN or inf (then every level's statistics are NaN but
+        ``nonfinite`` and ``groups``, and no level is recommended)."""
+        return any(math.isnan(s.underflow) for s in self._floats().values())
+
     def recommend(self, underflow_budget: float) -> Recommendation:
-        """The coarsest measured level whose underflow fraction is at most ``underflow_budget``;
-        if none is, the finest level, with the advice to spread the outliers (a Hadamard
-        transform, ``Recipe(rht=True)``) or use finer blocks. The reason also reads the span
-        rule: most groups below ``2^10``, per-tensor scaling may do; a tail above the span
-        limit needs blocks; every group above it, finer blocks or a Hadamard transform."""
-        _check_budget(underflow_budget)
-        stats = {level: jax.tree.map(float, s) for level, s in self.levels.items()}
-        for level, s in stats.items():
+        """The coarsest measured level whose underflow fraction is at most ``underflow_budget``
+        and whose dequantized values are all finite; if none underflows that little, the finest
+        level, with the advice to spread the outliers (a Hadamard transform,
+        ``Recipe(rht=True)``) or use finer blocks. The reason also reads the span rule: most
+        groups below ``2^10``, per-tensor scaling may do; a tail above the span limit needs
+        blocks; every group above it, finer blocks or a Hadamard transform.
+
+        ``level`` is ``None`` when the tensor held NaN or inf, or when every level's dequantized
+        values overflow: nothing can be recommended from a non-finite quantization.
+        """
+        underflow_budget = _check_budget(underflow_budget)
+        stats = self._floats()
+        if self.holds_nonfinite:
+            broken = ", ".join(f"{lv} {_pct(s.nonfinite)}" for lv, s in stats.items())
+            return Recommendation(
+                None,
+                f"x holds NaN or inf: no level can be recommended (elements dequantized to NaN "
+                f"or inf: {broken})",
+            )
+        finite = {lv: s for lv, s in stats.items() if s.nonfinite == 0}
+        if not finite:
+            return Recommendation(
+                None, "every level's dequantized values overflow float32 (inf): no level fits"
+            )
+        overflowing = [lv for lv in stats if lv not in finite]
+        note = f" ({', '.join(overflowing)}: dequantized values overflow)" if overflowing else ""
+        for level, s in finite.items():
             if s.underflow <= underflow_budget:
                 return Recommendation(
                     level,
                     f"{level}: underflow {_pct(s.underflow)} <= budget {_pct(underflow_budget)}"
-                    f"; {_span_reading(s, self.span_limit)}",
+                    f"; {_span_reading(s, self.span_limit)}{note}",
                 )
-        level, s = list(stats.items())[-1]
+        level, s = list(finite.items())[-1]
         return Recommendation(
             level,
             f"no level keeps underflow within {_pct(underflow_budget)}; the finest, {level}, "
             f"underflows {_pct(s.underflow)} ({_span_reading(s, self.span_limit)}): apply a "
-            "Hadamard transform (Recipe(rht=True)) or finer blocks",
+            f"Hadamard transform (Recipe(rht=True)) or finer blocks{note}",
         )
+
+    def _floats(self) -> dict[str, LevelStats]:
+        """:attr:`levels` as Python floats, or a ValueError for a batch of statistics."""
+        shapes = {np.shape(v) for v in jax.tree.leaves(self.stats)}
+        if shapes != {()}:
+            raise ValueError(
+                f"this Granularity holds statistics of shape {sorted(shapes)[-1]} (a batch, e.g. "
+                "from jax.vmap), not scalars; read one tensor's: "
+                "jax.tree.map(lambda a: a[i], g).recommendation"
+            )
+        return {level: jax.tree.map(float, s) for level, s in self.levels.items()}
 
     def table(self) -> str:
         """The statistics as a text table, one row per level, and the recommendation."""
-        header = ("level", "groups", "underflow", "flushed", "saturated", "SQNR dB", "log2 span")
+        header = (
+            "level",
+            "groups",
+            "underflow",
+            "flushed",
+            "saturated",
+            "non-finite",
+            "SQNR dB",
+            "log2 span",
+        )
         rows = [header]
-        for level, s in self.levels.items():
-            s = jax.tree.map(float, s)
+        for level, s in self._floats().items():
             spans = "/".join(_log2(v) for v in (s.span_p50, s.span_p99, s.span_max))
             rows.append(
                 (
@@ -211,6 +268,7 @@ class Granularity:
                     _pct(s.underflow),
                     _pct(s.flushed),
                     _pct(s.saturated),
+                    _pct(s.nonfinite),
                     f"{s.sqnr_db:.1f}",
                     spans,
                 )
@@ -221,7 +279,7 @@ class Granularity:
                 f"{self.element} (span limit 2^{math.log2(self.span_limit):.1f}); log2 span: "
                 "p50/p99/max over groups",
                 _columns(rows),
-                f"recommendation: {rec.level} ({rec.reason})",
+                f"recommendation: {rec.level or 'none'} ({rec.reason})",
             ]
         )
 
@@ -239,7 +297,8 @@ def granularity(
 ) -> Granularity:
     """Quantizes ``x`` at each scaling level and measures what each does (see the module
     docstring for the ladder and :class:`LevelStats` for the statistics). Jittable (no host
-    callbacks); non-finite inputs give NaN statistics.
+    callbacks). An ``x`` holding NaN or inf gives NaN statistics (``nonfinite`` says how much
+    of each level's quantization it breaks) and no recommendation.
 
     Args:
         x: a float32, bfloat16 or float16 array of rank >= 1.
@@ -254,7 +313,7 @@ def granularity(
 
     Raises:
         ValueError: an unknown format or level, a level the format has not, ``"128x128"`` for a
-            1-D ``x``, a budget outside [0, 1].
+            1-D ``x``, an empty ``x``, a budget outside [0, 1].
 
     Example:
         >>> import jax
@@ -266,6 +325,8 @@ def granularity(
     x = as_float_array(x, "granularity: x")
     if x.ndim == 0:
         raise ValueError("granularity expects an array of rank >= 1, got a scalar")
+    if x.size == 0:
+        raise ValueError(f"granularity: x of shape {x.shape} is empty: there is nothing to measure")
     levels = _checked_levels(levels, element, x.ndim)
     _check_budget(underflow_budget)
     axis = normalize_axis(axis, x.ndim)
@@ -319,9 +380,16 @@ def _checked_levels(levels, element: str, ndim: int) -> tuple[str, ...]:
     return tuple(lv for lv in LEVELS if lv in levels)  # ladder order
 
 
-def _check_budget(budget) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+def _check_budget(budget) -> float:
+    """``budget`` as a float: a real number (numpy scalars included) in [0, 1]."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise ValueError(
+            f"granularity: underflow_budget must be a number in [0, 1], got "
+            f"{type(budget).__name__} {budget!r}"
+        )
+    if not 0 <= budget <= 1:
         raise ValueError(f"granularity: underflow_budget must be in [0, 1], got {budget!r}")
+    return float(budget)
 
 
 def _span_limit(element: str) -> float:
@@ -368,48 +436,79 @@ def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
     return x.reshape(-1, block), valid.reshape(-1, block)
 
 
+def _magnitude_bits(x: jax.Array) -> jax.Array:
+    """The float32 bits of ``|x|`` (ordered as the magnitudes, subnormals included)."""
+    return bits.to_bits(x) & 0x7FFFFFFF
+
+
+def _down_to_one(x: jax.Array, amax_bits: jax.Array) -> jax.Array:
+    """``x / 2^k`` exactly, with ``2^k`` the binade of the magnitude whose bits are
+    ``amax_bits`` (broadcast against ``x``), so the largest value is in [1, 2): ratios of sums
+    of squares are then free of float32 overflow (``|x|`` above about 1.8e19) and of subnormal
+    flushing (XLA:CPU flushes subnormals in arithmetic)."""
+    exponent = bits.exponent_and_mantissa(amax_bits)[0] - bits.EXPONENT_BIAS
+    return bits.scale_by_pow2(x, -jnp.clip(exponent, -127, 127))
+
+
 def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
     """Each group's ``amax / std`` (population std of its real elements): ``inf`` where the std
-    is 0 and ``amax > 0``, 0 for an all-zero group."""
+    is 0 and ``amax > 0``, 0 for an all-zero group; computed on the group scaled to its amax's
+    binade (no overflow, no flushed subnormals)."""
     count = jnp.sum(valid, axis=1)
+    amax_bits = jnp.max(jnp.where(valid, _magnitude_bits(values), 0), axis=1)
+    values = _down_to_one(values, amax_bits[:, None])
     amax = jnp.max(jnp.where(valid, jnp.abs(values), 0.0), axis=1)
     mean = jnp.sum(jnp.where(valid, values, 0.0), axis=1) / count
     var = jnp.sum(jnp.where(valid, (values - mean[:, None]) ** 2, 0.0), axis=1) / count
     std = jnp.sqrt(var)
-    return jnp.where(amax == 0, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
+    all_zero = ~_bits_less(jnp.zeros_like(amax_bits), amax_bits)
+    return jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
 
 
 def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
-    nonzero = x != 0
+    magnitude = _magnitude_bits(x)
+    nonzero = _bits_less(jnp.zeros_like(magnitude), magnitude)  # subnormals are not zero
     n = jnp.maximum(jnp.sum(nonzero), 1)
+    finite_in = (magnitude >> bits.MANTISSA_BITS) != 0xFF
+    holds_nonfinite = ~jnp.all(finite_in)
+    overflow = nonzero & finite_in & ~jnp.isfinite(xhat)  # a finite element dequantized to inf
 
     def fraction(condition):
-        return (jnp.sum(nonzero & condition) / n).astype(jnp.float32)
+        share = (jnp.sum(nonzero & condition) / n).astype(jnp.float32)
+        return jnp.where(holds_nonfinite, jnp.nan, share)
 
+    # x and xhat in units of the tensor's binade: no overflow, no flushed subnormals
+    amax_bits = jnp.max(jnp.where(finite_in, magnitude, 0))
+    x1, xhat1 = _down_to_one(x, amax_bits), _down_to_one(xhat, amax_bits)
     half_ulp = 2.0 ** (f.emax - f.mbits - 1)  # at elem_max: beyond it, rounding would go higher
     clipped = (jnp.abs(codes) == f.elem_max) & (
-        jnp.abs(x) * f.elem_max > jnp.abs(xhat) * (f.elem_max + half_ulp)
+        jnp.abs(x1) * f.elem_max > jnp.abs(xhat1) * (f.elem_max + half_ulp)
     )
-    noise = jnp.sum((x - xhat) ** 2)
-    sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(jnp.sum(x**2) / noise))
+    noise = jnp.sum(jnp.where(overflow, jnp.inf, (x1 - xhat1) ** 2))
+    sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(jnp.sum(x1**2) / noise))
 
+    spans = jnp.where(holds_nonfinite, jnp.nan, spans)
     ordered = jnp.sort(spans)
 
     def quantile(q):  # the smallest span with at least q% of the groups at or below it
         return ordered[max(math.ceil(q / 100 * spans.size) - 1, 0)].astype(jnp.float32)
 
+    def share_of_groups(condition):
+        return jnp.where(holds_nonfinite, jnp.nan, jnp.mean(condition)).astype(jnp.float32)
+
     return LevelStats(
         underflow=fraction(jnp.abs(codes) < 2.0**f.emin),
         flushed=fraction(codes == 0),
-        saturated=fraction(clipped),
-        sqnr_db=sqnr.astype(jnp.float32),
+        saturated=fraction(clipped | overflow),
+        sqnr_db=jnp.where(holds_nonfinite, jnp.nan, sqnr).astype(jnp.float32),
         span_p50=quantile(50),
         span_p90=quantile(90),
         span_p99=quantile(99),
         span_max=jnp.max(spans).astype(jnp.float32),
-        span_above_2_10=jnp.mean(spans > 2.0**10).astype(jnp.float32),
-        span_above_limit=jnp.mean(spans > f.elem_max / 2.0**f.emin).astype(jnp.float32),
+        span_above_2_10=share_of_groups(spans > 2.0**10),
+        span_above_limit=share_of_groups(spans > f.elem_max / 2.0**f.emin),
         groups=jnp.float32(spans.size),
+        nonfinite=jnp.mean(~jnp.isfinite(xhat)).astype(jnp.float32),
     )
 
 
@@ -418,6 +517,8 @@ def _pct(v: float) -> str:
 
 
 def _log2(v: float) -> str:
+    if math.isnan(v):
+        return "nan"
     if v == 0:
         return "-inf"
     return "inf" if math.isinf(v) else f"{math.log2(v):.1f}"
@@ -507,20 +608,26 @@ class LayerAdvice:
         name: the GEMM's name (the Flax layer's module path).
         legs: ``{leg: Granularity}`` for ``"lhs"``, ``"rhs"`` (the weight) and, when the step
             took a gradient through the GEMM, ``"dgrad"`` and ``"wgrad"``.
-        level: the finest of the legs' recommended levels: the coarsest scaling every leg takes.
+        level: the finest of the legs' recommended levels: the coarsest scaling every leg takes;
+            ``None`` when a leg has no recommendation (it held NaN or inf, or overflows at
+            every level: see ``nonfinite``).
         reason: which leg decides, and why.
+        nonfinite: the legs without a recommendation, in :data:`LEGS` order.
     """
 
     name: str
     legs: dict[str, Granularity]
-    level: str
+    level: str | None
     reason: str
+    nonfinite: tuple[str, ...] = ()
 
 
 class Advice(Mapping):
     """:func:`advise`'s result: ``{GEMM name: LayerAdvice}`` in call order; ``str()`` is a
     table (per leg, the level it takes and its underflow there) and :meth:`recipes` the
-    per-layer recipe mapping for ``quantize_model``."""
+    per-layer recipe mapping for ``quantize_model``. :attr:`nonfinite` names the legs that held
+    NaN or inf (or overflow at every level): their layers have no level, and :meth:`recipes`
+    refuses them."""
 
     def __init__(self, layers: dict[str, LayerAdvice], *, underflow_budget: float, loss: float):
         self._layers, self.underflow_budget, self.loss = layers, underflow_budget, loss
@@ -533,6 +640,12 @@ class Advice(Mapping):
 
     def __len__(self) -> int:
         return len(self._layers)
+
+    @property
+    def nonfinite(self) -> dict[str, tuple[str, ...]]:
+        """``{GEMM name: legs}`` of the legs without a recommendation (NaN or inf); empty when
+        every leg was finite."""
+        return {name: layer.nonfinite for name, layer in self._layers.items() if layer.nonfinite}
 
     def recipes(self, level_recipes: Mapping[str, Recipe] = LEVEL_RECIPES) -> dict[str, Recipe]:
         """:func:`advised_recipes` of this advice."""
@@ -549,8 +662,11 @@ class Advice(Mapping):
                     cells.append("-")
                     continue
                 level = g.recommendation.level
+                if level is None:
+                    cells.append("NaN/inf")
+                    continue
                 cells.append(f"{level} ({_pct(float(g.levels[level].underflow))})")
-            rows.append((name, *cells, layer.level))
+            rows.append((name, *cells, layer.level or "-"))
         return (
             f"underflow budget {_pct(self.underflow_budget)}; per leg: the coarsest level "
             "within it (its underflow)\n" + _columns(rows)
@@ -655,6 +771,10 @@ def _layer_advice(name, forward, gradients, element, levels, budget) -> LayerAdv
         if leg in measured
     }
     decided = {leg: g.recommendation for leg, g in legs.items()}
+    nonfinite = tuple(leg for leg, rec in decided.items() if rec.level is None)
+    if nonfinite:
+        reasons = "; ".join(f"{leg}: {decided[leg].reason}" for leg in nonfinite)
+        return LayerAdvice(name=name, legs=legs, level=None, reason=reasons, nonfinite=nonfinite)
     leg = max(decided, key=lambda leg: LEVELS.index(decided[leg].level))
     return LayerAdvice(
         name=name, legs=legs, level=decided[leg].level, reason=f"{leg}: {decided[leg].reason}"
@@ -678,13 +798,21 @@ def advised_recipes(
     ``path/qk`` and ``path/pv``).
 
     Raises:
-        ValueError: a layer's level has no recipe in ``level_recipes`` (it is named).
+        ValueError: a layer's level has no recipe in ``level_recipes``, or a layer has no level
+            (a leg held NaN or inf); the layers are named.
 
     Example:
         >>> layer = LayerAdvice(name="mlp/up", legs={}, level="mx32", reason="")
         >>> advised_recipes({"mlp/up": layer}) == {"mlp/up": MXFP8}
         True
     """
+    unreadable = {name: layer.nonfinite for name, layer in advice.items() if layer.level is None}
+    if unreadable:
+        raise ValueError(
+            f"advised_recipes: no level for GEMM(s) {unreadable} (GEMM: legs): they held NaN or "
+            "inf (or overflow at every level), so their quantization cannot be read; find where "
+            "with jaxmx.diagnostics.telemetry / first_nonfinite and advise again"
+        )
     levels: dict[str, str] = {}
     for name, layer in advice.items():
         path = _layer_path(name)

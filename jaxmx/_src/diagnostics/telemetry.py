@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ import numpy as np
 
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import Recipe
-from jaxmx._src.diagnostics.block_stats import block_stats
+from jaxmx._src.diagnostics.block_stats import NAN_SCALE_EXP, block_stats
 from jaxmx._src.training.scope import Leg, Tap, observing
 
 
@@ -112,10 +113,18 @@ LEGS = ("lhs", "rhs", "dgrad", "wgrad")
 """The legs in program order within a GEMM: forward operands, then the gradient's copies."""
 
 
-def leg_stats(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
-    """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding)."""
+def leg_stats(
+    x: jax.Array, fmt: str, axis: int, scale_mode: str, *, where: str = "leg_stats"
+) -> LegStats:
+    """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding); an empty ``x``
+    is a ValueError naming ``where``."""
+    if math.prod(np.shape(x)) == 0:
+        raise ValueError(
+            f"{where}: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "
+            "operand without elements has no blocks to measure"
+        )
     s = block_stats(jax.lax.stop_gradient(x), fmt, axis=axis, scale_mode=scale_mode)
-    finite = jnp.isfinite(s.amax)
+    finite = s.scale_exp != NAN_SCALE_EXP  # NVFP4: every block of a tensor holding NaN or inf
 
     def masked(a):
         return jnp.where(finite, a.astype(jnp.float32), jnp.nan)
@@ -173,7 +182,9 @@ class Telemetry:
         if discovered is not None:
             discovered.append(name)
         self.forward[name] = ForwardLegs(
-            index=jnp.int32(len(self.forward)), lhs=_leg_stats(lhs), rhs=_leg_stats(rhs)
+            index=jnp.int32(len(self.forward)),
+            lhs=_leg_stats(lhs, f"telemetry of GEMM {name!r}, leg lhs"),
+            rhs=_leg_stats(rhs, f"telemetry of GEMM {name!r}, leg rhs"),
         )
         if self.taps is None:
             return None
@@ -185,9 +196,9 @@ class Telemetry:
         return Tap(self.taps[name], gradient_legs)
 
 
-def _leg_stats(leg: Leg) -> LegStats:
+def _leg_stats(leg: Leg, where: str = "telemetry") -> LegStats:
     """:func:`leg_stats` of a GEMM's :class:`~jaxmx._src.training.scope.Leg`."""
-    return leg_stats(leg.x, leg.fmt, leg.axis, leg.scale_mode)
+    return leg_stats(leg.x, leg.fmt, leg.axis, leg.scale_mode, where=where)
 
 
 def gradient_legs(dgrad: Leg, wgrad: Leg) -> GradientLegs:
@@ -257,9 +268,18 @@ def telemetry_report(
         forward: :attr:`Telemetry.forward` returned from the traced function.
         gradients: the gradient with respect to the taps of :func:`gemm_taps` (``None``: forward
             legs only).
+
+    Raises:
+        ValueError: a gradient entry names no GEMM of ``forward``.
     """
     forward = jax.device_get(forward)
     gradients = jax.device_get(gradients) if gradients is not None else {}
+    unmatched = sorted(set(gradients) - set(forward))
+    if unmatched:
+        raise ValueError(
+            f"telemetry_report: gradient entries {unmatched} match no forward GEMM (forward has "
+            f"{sorted(forward)}); pass the forward record and tap gradients of the same step"
+        )
     order = sorted(forward, key=lambda name: int(np.min(forward[name].index)))
     return {
         name: GemmTelemetry(

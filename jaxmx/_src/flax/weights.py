@@ -116,7 +116,15 @@ def dense_forward(
 ) -> jax.Array:
     """A Dense / DenseGeneral layer on its stored weight: ``x`` contracted over ``axes`` with the
     ``[N, K]`` weight ``w``, the result ``[*other dims of x, *features]`` in ``dtype``, plus
-    ``bias``."""
+    ``bias``. The input and ``dtype`` must be floating point (a TypeError naming them)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"quantize_weights: the layer's input must be a floating-point array, got {x.dtype} "
+            "(cast it, e.g. x.astype(jnp.float32), or embed integer ids first)"
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"quantize_weights: the layer's dtype must be floating point, got {dtype}")
     axes = tuple(normalize_axis(a, x.ndim) for a in axes)
     x = jnp.moveaxis(x, axes, range(x.ndim - len(axes), x.ndim))
     batch, k = x.shape[: x.ndim - len(axes)], math.prod(x.shape[x.ndim - len(axes) :])

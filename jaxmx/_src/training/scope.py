@@ -143,6 +143,8 @@ def named(name: str) -> Iterator[None]:
         ...     gemm_name()
         'attn/qk'
     """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"named: a GEMM name must be a non-empty str, got {name!r}")
     token = _names.set((*_names.get(), name))
     try:
         yield

@@ -32,12 +32,12 @@ from collections.abc import Callable, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.checkpoints.directory import Checkpoint
+from jaxmx._src.checkpoints.directory import Checkpoint, save
 from jaxmx._src.checkpoints.fresh import quantized_weight
 from jaxmx._src.checkpoints.safetensors_files import CheckpointError
 from jaxmx._src.checkpoints.scheme import Scheme
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.flax.checkpoint_names import Path, path_string
+from jaxmx._src.flax.checkpoint_names import NameMap, Path, path_string, tensor_names
 from jaxmx._src.flax.rules import matching
 from jaxmx._src.quantize.quantize import dequantize
 from jaxmx._src.quantize.requantize import requantize
@@ -236,6 +236,31 @@ def unused_tensors(checkpoint: Checkpoint, taken: Iterable[str], caller: str) ->
 
 
 # --- exporting -----------------------------------------------------------------------------------
+
+
+def write_checkpoint(
+    params: Iterable[tuple[Path, object]],
+    path,
+    *,
+    like: Checkpoint | None,
+    scheme: Scheme | None,
+    names: NameMap,
+    config,
+    exclude: Exclude,
+    dtype,
+) -> None:
+    """``export_checkpoint`` of both Flax APIs on ``params`` (``(path, value)`` pairs): each
+    under its tensor name, ``scheme`` and ``config`` defaulting to ``like``'s, written with
+    :func:`jaxmx.checkpoints.save`."""
+    caller = "export_checkpoint"
+    params = list(params)
+    mapping = tensor_names([p for p, _ in params], names, caller)
+    scheme = like.scheme if scheme is None and like is not None else scheme
+    tensors = exported_tensors(
+        params, mapping, like=like, scheme=scheme, exclude=exclude, dtype=dtype, caller=caller
+    )
+    config = like.config if config is None and like is not None else config
+    save(path, tensors, scheme, config=config)
 
 
 def exported_tensors(

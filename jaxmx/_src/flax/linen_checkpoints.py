@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from flax import traverse_util
 from flax.core import FrozenDict, freeze
 
-from jaxmx._src.checkpoints.directory import Checkpoint, save
+from jaxmx._src.checkpoints.directory import Checkpoint
 from jaxmx._src.checkpoints.scheme import Scheme
 from jaxmx._src.flax.checkpoint_names import NameMap, hf_name, path_string, tensor_names
 from jaxmx._src.flax.checkpoint_tensors import (
@@ -37,11 +37,11 @@ from jaxmx._src.flax.checkpoint_tensors import (
     Exclude,
     Loaded,
     check_loadable,
-    exported_tensors,
     loaded_value,
     stored_label,
     tensor_of,
     unused_tensors,
+    write_checkpoint,
 )
 
 
@@ -119,21 +119,16 @@ def export_checkpoint(
         path, like, scheme, names, config, exclude, dtype: as for
             :func:`jaxmx.flax.nnx.export_checkpoint`.
     """
-    caller = "export_checkpoint"
-    flat = _flat(params, caller)
-    mapping = tensor_names(flat, names, caller)
-    scheme = like.scheme if scheme is None and like is not None else scheme
-    tensors = exported_tensors(
-        flat.items(),
-        mapping,
+    write_checkpoint(
+        _flat(params, "export_checkpoint").items(),
+        path,
         like=like,
         scheme=scheme,
+        names=names,
+        config=config,
         exclude=exclude,
         dtype=dtype,
-        caller=caller,
     )
-    config = like.config if config is None and like is not None else config
-    save(path, tensors, scheme, config=config)
 
 
 def _flat(params, caller: str) -> dict:

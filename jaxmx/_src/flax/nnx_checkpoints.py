@@ -29,7 +29,7 @@ import os
 
 from flax import nnx
 
-from jaxmx._src.checkpoints.directory import Checkpoint, save
+from jaxmx._src.checkpoints.directory import Checkpoint
 from jaxmx._src.checkpoints.scheme import Scheme
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.flax.checkpoint_names import NameMap, Path, hf_name, path_string, tensor_names
@@ -39,14 +39,14 @@ from jaxmx._src.flax.checkpoint_tensors import (
     Exclude,
     Loaded,
     check_loadable,
-    exported_tensors,
     loaded_value,
     param_shape,
     stored_label,
     tensor_of,
     unused_tensors,
+    write_checkpoint,
 )
-from jaxmx._src.flax.nnx_weights import QuantizedLinear
+from jaxmx._src.flax.nnx_weights import QuantizedLinear, replace_module
 from jaxmx._src.flax.weights import WeightStorage, hook_refusal
 
 
@@ -111,7 +111,7 @@ def load_checkpoint(
     for path, param, name, transposed, tensor, layer in plan:
         if layer is not None:
             how = "at rest"
-            _replace(model, path[:-1], _quantized(layer, tensor))
+            replace_module(model, path[:-1], _quantized(layer, tensor))
         else:
             value, how = loaded_value(path, name, transposed, tensor, param.get_value(), caller)
             param.set_value(value)
@@ -168,15 +168,17 @@ def export_checkpoint(
         CheckpointError: naming the parameter or tensor: two parameters with one tensor name, a
         parameter whose shape is not its ``like`` tensor's, a weight the scheme cannot store.
     """
-    caller = "export_checkpoint"
     params = [(p, v.get_value()) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
-    mapping = tensor_names([p for p, _ in params], names, caller)
-    scheme = like.scheme if scheme is None and like is not None else scheme
-    tensors = exported_tensors(
-        params, mapping, like=like, scheme=scheme, exclude=exclude, dtype=dtype, caller=caller
+    write_checkpoint(
+        params,
+        path,
+        like=like,
+        scheme=scheme,
+        names=names,
+        config=config,
+        exclude=exclude,
+        dtype=dtype,
     )
-    config = like.config if config is None and like is not None else config
-    save(path, tensors, scheme, config=config)
 
 
 def _at_rest_layers(model: nnx.Module) -> dict[Path, nnx.Module]:
@@ -221,13 +223,3 @@ def _quantized(layer, tensor: MXArray) -> QuantizedLinear:
         dtype=layer.dtype,
         storage=WeightStorage(fmt=tensor.fmt, tile=tensor.tile),
     )
-
-
-def _replace(model: nnx.Module, path: Path, new: nnx.Module) -> None:
-    parent = model
-    for part in path[:-1]:
-        parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = new
-    else:
-        setattr(parent, path[-1], new)

@@ -175,7 +175,7 @@ def quantize_weights(
         layer, stored = module, None
         if plan.converted:
             layer = QuantizedLinear.of(module, storage, plan.path)
-            _replace(model, path, layer)
+            replace_module(model, path, layer)
             replaced[id(module)] = (module, layer)
             stored = layer.kernel.get_value()
         plans.append(_sized(plan, module, layer, stored, storage))
@@ -192,7 +192,7 @@ def _replace_shared(model: nnx.Module, replaced: dict) -> None:
         if id(m) in replaced and replaced[id(m)][0] is m
     ]:
         for path, layer in again:
-            _replace(model, path, layer)
+            replace_module(model, path, layer)
 
 
 def _layer(path: str, module: nnx.Module) -> Layer | None:
@@ -227,7 +227,9 @@ def _axes_and_features(layer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(layer.axis), tuple(layer.out_features)
 
 
-def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+def replace_module(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    """Puts ``new`` in ``model`` at ``path`` (attribute names and list indices), in place of
+    the module there."""
     parent = model
     for part in path[:-1]:
         parent = parent[part] if isinstance(part, int) else getattr(parent, part)

@@ -2,15 +2,12 @@
 exports, with the logits of jaxmx's model on the exported weights. Slow for a test (about 30 s:
 it compiles the example's MXFP8 training step), so it runs with the interop tests."""
 
-import importlib.util
-import pathlib
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from examples_dir import load_example
 from flax import nnx
 
 import jaxmx.flax.nnx as mxnnx
@@ -18,19 +15,9 @@ from jaxmx import checkpoints
 
 pytestmark = pytest.mark.interop
 
-EXAMPLES = pathlib.Path(__file__).parents[2] / "examples"
-
-
-def _example(name: str):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_finetune_fp8_example(tmp_path, capsys):
-    example = _example("finetune_fp8")
+    example = load_example("finetune_fp8")
     result = example.main(["--steps", "2", "--out", str(tmp_path / "out")])
     assert result["scheme"] == example.FP8 and np.isfinite(result["losses"]).all()
     assert "MXFP8 steps" in capsys.readouterr().out

@@ -6,7 +6,6 @@ checkpoint, it is loaded back by transformers, whose logits equal jaxmx's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -18,6 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from examples_dir import load_example
 from flax import nnx
 from safetensors_bytes import raw_tensors
 
@@ -27,10 +27,7 @@ from jaxmx import checkpoints
 
 pytestmark = pytest.mark.interop
 
-_PATH = pathlib.Path(__file__).parents[2] / "examples" / "llama.py"
-_SPEC = importlib.util.spec_from_file_location("llama_example", _PATH)
-llama = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(llama)
+llama = load_example("llama")
 
 # hidden and intermediate sizes multiples of 128: transformers' FP8 saver quantizes only weights
 # its 128x128 blocks divide (it leaves k_proj and v_proj, 64 rows, in float32)

@@ -1,23 +1,18 @@
 """examples/llama.py computes the logits of transformers' ``LlamaForCausalLM`` on the same
 weights and tokens (float32, CPU), with separate and with tied word embeddings."""
 
-import importlib.util
-import pathlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from examples_dir import load_example
 from flax import nnx
 
 pytestmark = pytest.mark.interop
 
-_PATH = pathlib.Path(__file__).parents[2] / "examples" / "llama.py"
-_SPEC = importlib.util.spec_from_file_location("llama_example", _PATH)
-llama = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(llama)
+llama = load_example("llama")
 
 SIZES = dict(
     vocab_size=96,

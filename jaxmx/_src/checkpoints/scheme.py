@@ -100,8 +100,8 @@ class Scheme:
         elif self.block_size is not None:
             raise CheckpointError(f"Scheme: {self.weights!r} weights take no block_size")
         if self.weights == "tensor":
-            shape = (() if self.method == "fp8" else (1,)) if self.scale_shape is None else None
-            shape = tuple(self.scale_shape) if shape is None else shape
+            default = () if self.method == "fp8" else (1,)
+            shape = default if self.scale_shape is None else tuple(self.scale_shape)
             if shape not in ((), (1,), (1, 1)):
                 raise CheckpointError(
                     f"Scheme: scale_shape must be (), (1,) or (1, 1), got {shape}"

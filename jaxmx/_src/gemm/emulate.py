@@ -45,6 +45,7 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.gemm.blockwise import blockwise_matmul, fits_row_relative, needs_check
 from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import rule_of
 
@@ -60,25 +61,42 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
     kernel.
     """
 
+    out = exact_or_row_relative(a, b, _row_relative_matmul)
+    return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
+
+
+def exact_or_row_relative(a, b, row_relative) -> jax.Array:
+    """``row_relative(a, b)`` (a float32 GEMM on row-relative operands, before the tensor
+    scales) where its products are exact (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`),
+    else :func:`~jaxmx._src.gemm.blockwise.blockwise_matmul`: a ``lax.cond`` on the operands'
+    scales (under ``vmap`` a select, so both run)."""
+    if not needs_check(a, b):
+        return row_relative(a, b)
+    return lax.cond(fits_row_relative(a, b), row_relative, blockwise_matmul, a, b)
+
+
+def _row_relative_matmul(a, b) -> jax.Array:
     a_values, a_shift = decode_rows(a, jnp.bfloat16)
     b_values, b_shift = decode_rows(b, jnp.bfloat16)
-    nd = a.data.ndim
-    batch = tuple(range(nd - 2))
+    batch = tuple(range(a.data.ndim - 2))
     out = lax.dot_general(
         a_values,
         b_values,
         (((a.data_axis,), (b.data_axis,)), (batch, batch)),
         preferred_element_type=jnp.float32,
     )
-    return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
+    return rescaled(out, a_shift, b_shift)
 
 
-def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> jax.Array:
+def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array) -> jax.Array:
     """The float32 product ``out`` [..., M, N] of row-relative operands (:func:`decode_rows`)
-    times ``2^(s_a + s_b) * g_a * g_b``: the rows' exponents back, exactly, then the tensor
-    scales (NVFP4) as cuBLASLt applies alpha."""
+    times ``2^(s_a + s_b)``: the rows' exponents back, exactly."""
     shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-    out = bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+    return bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+
+
+def with_tensor_scales(out: jax.Array, a, b) -> jax.Array:
+    """``out`` times ``g_a * g_b`` (NVFP4's tensor scales, as cuBLASLt applies alpha)."""
     return out * _alpha(a, b, out.ndim)
 
 

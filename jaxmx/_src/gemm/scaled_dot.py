@@ -41,7 +41,7 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.gemm.emulate import rescaled
+from jaxmx._src.gemm.emulate import exact_or_row_relative, rescaled, with_tensor_scales
 from jaxmx._src.quantize.scales import relative_exponents
 
 MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
@@ -52,6 +52,12 @@ MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
 def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX or NVFP4 operands in
     1-D blocks ([..., M, K] or [..., K, M], and likewise ``b``), through ``lax.scaled_dot``."""
+    out = exact_or_row_relative(a, b, _scaled_dot)
+    return with_tensor_scales(out, a, b).astype(out_dtype)
+
+
+def _scaled_dot(a: MXArray, b: MXArray) -> jax.Array:
+    """The float32 product through ``lax.scaled_dot`` on row-relative scales, rescaled."""
     a_codes, a_scale, a_shift = _operand(a)
     b_codes, b_scale, b_shift = _operand(b)
     batch = tuple(range(a.data.ndim - 2))
@@ -67,7 +73,7 @@ def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
             dimension_numbers=dims,
             preferred_element_type=jnp.float32,
         )
-    return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
+    return rescaled(out, a_shift, b_shift)
 
 
 def _operand(q: MXArray) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -15,8 +15,11 @@ operands (an ``lhs`` row with blocks at ``2^73`` and ``2^-67`` against an ``rhs`
 blocks holding a nonzero element count, so an all-zero block at ``2^-127`` does not), and
 :func:`blockwise_matmul` is the exact path taken otherwise: one float32 dot per block of K
 (``sum`` over 32 elements of ``code_a * code_b``, exact products), each multiplied by
-``2^(e_a + e_b)`` on the float32 bits with one rounding (subnormal results kept, overflow to
-``inf``), summed in float32 over the blocks, the first block's term starting the sum.
+``2^(e_a + e_b)`` on the float32 bits with one rounding (overflow to ``inf``), summed in
+float32 over the blocks. Terms below ``2^-60`` are summed apart, scaled by ``2^100``, and added
+back with one rounding at the end, so that a result in float32's subnormal range is kept (XLA:CPU
+flushes subnormal sums): with one block of K, or terms that are all that small, it is the
+float32 sum rounded once.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -72,6 +75,10 @@ def needs_check(a: MXArray | GridArray, b: MXArray | GridArray) -> bool:
     return pow2 and a.scale.shape[a.data_axis] > 0
 
 
+_SMALL_SHIFT = 100
+_SMALL_BELOW = 60
+
+
 @jax.jit
 def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Array:
     """float32 ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` (NVFP4's tensor scales
@@ -82,22 +89,28 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
     b_values, b_exponent = _tn_blocks(b)
     batch = tuple(range(a_values.ndim - 3))
 
-    def term(a_block, b_block, a_e, b_e):  # [..., M, block], [..., N, block], [..., M], [..., N]
+    def terms(a_block, b_block, a_e, b_e):  # [..., M, block], [..., N, block], [..., M], [..., N]
         block_dims = (((a_block.ndim - 1,), (b_block.ndim - 1,)), (batch, batch))
         out = lax.dot_general(a_block, b_block, block_dims, preferred_element_type=jnp.float32)
-        return bits.ldexp_rounded(out, a_e[..., :, None] + b_e[..., None, :])
+        shift = a_e[..., :, None] + b_e[..., None, :]
+        big = bits.ldexp_rounded(out, shift)
+        small = bits.ldexp_rounded(out, shift + _SMALL_SHIFT)
+        tiny = jnp.abs(small) < 2.0 ** (_SMALL_SHIFT - _SMALL_BELOW)
+        return bits.where(tiny, 0.0, big), bits.where(tiny, small, 0.0)
 
-    def step(total, blocks):
-        return total + term(*blocks), None
+    def step(sums, blocks):
+        big, small = terms(*blocks)
+        return (sums[0] + big, sums[1] + small), None
 
     a_steps = jnp.moveaxis(a_values, -2, 0)
     b_steps = jnp.moveaxis(b_values, -2, 0)
     a_e_steps = jnp.moveaxis(a_exponent, -1, 0)
     b_e_steps = jnp.moveaxis(b_exponent, -1, 0)
-    first = term(a_steps[0], b_steps[0], a_e_steps[0], b_e_steps[0])
+    first = terms(a_steps[0], b_steps[0], a_e_steps[0], b_e_steps[0])
     rest = (a_steps[1:], b_steps[1:], a_e_steps[1:], b_e_steps[1:])
-    total, _ = lax.scan(step, first, rest)
-    return total
+    (big, small), _ = lax.scan(step, first, rest)
+    small = bits.ldexp_rounded(small, -_SMALL_SHIFT)
+    return bits.where(big == 0, small, big + small)
 
 
 def _blocked(q, values: jax.Array) -> jax.Array:

@@ -170,7 +170,11 @@ BLOCK_POW2_CASES = (
 
 BLOCK_FLOAT_SCALES = (  # [case][lhs rows x 2 blocks, rhs rows x 2 blocks]
     ("moderate", [[0.5, 3.0], [1e-3, 7.0]], [[1.5, 0.25], [2.0, 2.0], [1e3, 1e-3]]),
-    ("huge_and_tiny", [[3.0e35, 1.1e-30], [1.0, 2.0e-20]], [[1.7e-36, 9.0e29], [4.0e-38, 1.0], [1.0, 1.0]]),
+    (
+        "huge_and_tiny",
+        [[3.0e35, 1.1e-30], [1.0, 2.0e-20]],
+        [[1.7e-36, 9.0e29], [4.0e-38, 1.0], [1.0, 1.0]],
+    ),
     ("nan_scale", [[float("nan"), 1.0], [1.0, 1.0]], [[1.0, 1.0], [1.0, float("nan")], [1.0, 1.0]]),
     ("near_float32_max", [[7.0e35, 1.0], [1.0, 1.0]], [[1.0, 1.0], [1.5e2, 1.0], [1.0, 1.0]]),
 )
@@ -266,6 +270,7 @@ def block_operand(side_or_scales, fmt: str, rows: int, k: int, seed: int):
 
 def stacked(pairs):
     """One batched pair of MXArrays (and float64 operands) from per-case pairs of one shape."""
+
     def stack(qs):
         data = jnp.stack([q.data for q in qs])
         scale = jnp.stack([q.scale for q in qs])
@@ -374,4 +379,3 @@ def ulp_distance(out, emulated) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         d = np.abs(u.astype(np.float64) - v.astype(np.float64)) / spacing
     return np.where(same_bits(u, v), 0.0, d)
-

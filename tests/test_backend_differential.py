@@ -49,7 +49,7 @@ def _ids(pairs):
     return ["x".join(p) for p in pairs]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gemm(backend: str, formats: tuple[str, str], scale_mode: str | None):
     chosen = kernels(Gemm(formats=formats, backend=backend, scale_mode=scale_mode))
     return jax.jit(lambda a, b: run(chosen, a, b, jnp.float32))
@@ -63,13 +63,13 @@ def outcome(backend, a, b, scale_mode=None):
         return error
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mx_outcomes(formats, group):
     names, a, b, x, y = mx_group(formats, group)
     return names, x, y, {backend: outcome(backend, a, b) for backend in BACKENDS}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def block_outcomes(formats, pow2):
     names, a, b, x, y = block_group(formats, pow2)
     mode = "pow2" if pow2 else "fp32"

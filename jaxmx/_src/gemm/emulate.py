@@ -10,9 +10,12 @@ decode was representable, and finite wherever the exact result is (e.g. a block 
 times one at ``2^-100``). The shift is applied to the float32 bits with one rounding to nearest
 even, so a result in float32's subnormal range is kept (XLA:CPU would flush the float product)
 and equals the native GEMM's bit for bit where the float32 dot is exact (e.g. one block of K).
-What is left: a product of two blocks that lie, together, more than about ``2^100`` below their
-rows' largest blocks can round to zero (the native GEMM keeps it). Codes in the padding of a K
-that is not a multiple of the block are ignored, whatever they hold.
+Where a row's blocks lie so far below its largest that, together with the other operand's,
+a product could leave float32's normal range in that frame (the scales compensating across
+the operands, say), the GEMM runs :mod:`~jaxmx._src.gemm.blockwise` instead, chosen by a
+``lax.cond`` on the scales: exact (up to float32 summation) for every pair of E8M0 scale rows.
+Codes in the padding of a K that is not a multiple of the block are ignored, whatever they
+hold.
 
 NVFP4 operands (:mod:`jaxmx._src.quantize.nvfp4`) enter the dot as ``code * s`` (exact: at most 6
 significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
@@ -62,7 +65,7 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
     """
 
     out = exact_or_row_relative(a, b, _row_relative_matmul)
-    return (out * _alpha(a, b, out.ndim)).astype(out_dtype)
+    return with_tensor_scales(out, a, b).astype(out_dtype)
 
 
 def exact_or_row_relative(a, b, row_relative) -> jax.Array:

@@ -11,9 +11,11 @@ changes that make the decomposition give the emulation's bits (:mod:`~jaxmx._src
   subtraction on the scale bytes; NaN scales stay NaN), and the float32 result is multiplied by
   ``2^(s_a + s_b)`` afterwards, as the emulation does: ``code * scale`` then never overflows
   bfloat16 (a scale of ``2^127`` times an element of 448 would), and every product is the
-  emulation's. A block more than ``2^127`` below its row's largest (beyond E8M0's range once
-  relative) enters as zero (its codes are zeroed): the emulation keeps such a block's values as
-  far as float32 subnormals reach, which the CPU flushes anyway.
+  emulation's. Operands whose scales span more than that frame keeps exactly
+  (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`) take the emulation's exact blockwise
+  path instead (a ``lax.cond``), so the result is the emulation's there too; a block more than
+  ``2^127`` below its row's largest then holds only zeros or sits under a NaN scale, and enters
+  as zero codes (NaN scales stay NaN).
 - Codes in the padding of a K that is not a multiple of the block are zeroed, whatever they
   hold (the emulation ignores them too).
 

@@ -268,6 +268,19 @@ def block_operand(side_or_scales, fmt: str, rows: int, k: int, seed: int):
     return q, decoded[:, :k]
 
 
+def decode(q) -> np.ndarray:
+    """float64 values ``[rows, K]`` of a block-FP8 MXArray (1-D blocks or tiles) along its last
+    axis, from its codes and float32 scales."""
+    f = get_format(q.fmt)
+    codes = np.asarray(q.data).astype(np.float64)
+    scale = np.asarray(q.scale).astype(np.float64)
+    if q.tile is not None:
+        scale = np.repeat(scale, q.tile[0], axis=-2)[: codes.shape[-2]]
+    with np.errstate(invalid="ignore"):
+        values = codes * np.repeat(scale, f.block, axis=-1)
+    return values[: q.shape[-2], : q.shape[-1]]
+
+
 def stacked(pairs):
     """One batched pair of MXArrays (and float64 operands) from per-case pairs of one shape."""
 

@@ -16,8 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hard_gemm_inputs import MX_GROUPS, block_group, mx_group, problems, same_bits, ulp_distance
+from hard_gemm_inputs import (
+    MX_GROUPS,
+    block_group,
+    decode,
+    mx_group,
+    problems,
+    same_bits,
+    ulp_distance,
+)
 
+import jaxmx
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.matmul import run
 
@@ -142,3 +151,46 @@ def test_the_cpu_handler_differs_from_the_emulation_within_the_bound_only():
             worst[("x".join(formats), group)] = float(np.nanmax(d[np.isfinite(d)], initial=0))
     print("ffi vs emulate, worst ulps:", worst)
     assert all(np.isfinite(v) for v in worst.values())
+
+
+def _pow2_step(backend):
+    recipe = jaxmx.recipes.FP8_BLOCK_POW2.replace(backend=backend)
+    dims = (((1,), (1,)), ((), ()))
+
+    def loss(x, w):
+        return jaxmx.dot_general(x, w, dims, recipe=recipe, preferred_element_type=jnp.float32)
+
+    def step(x, w, g):
+        y, vjp = jax.vjp(loss, x, w)
+        return (y, *vjp(g))
+
+    return jax.jit(step)
+
+
+def test_fp8_block_pow2_training_gemms_under_xla_equal_the_emulation_on_extreme_inputs():
+    """Forward, dgrad and wgrad of ``FP8_BLOCK_POW2`` on inputs near float32's maximum and
+    far below it (blocks quantized to scales of ``2^127`` and ``2^-127``), with cancelling
+    signs: ``xla`` gives the emulation's bits (NaN, signed infinities and zeros included), and
+    the emulation's finite outputs are the float64 product of the quantized operands."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[0, :128] *= 3.0e38 / np.abs(x[0, :128]).max()  # a block at float32's maximum
+    x[1, 128:] *= 1.0e-37  # a block near the bottom of the range
+    x[2] = 0.0
+    x[2, 5] = -0.0
+    w = rng.standard_normal((8, 256)).astype(np.float32)
+    w[3, :128] *= 1.0e30
+    w[5, 128:] *= 1.0e-30
+    g = rng.standard_normal((4, 8)).astype(np.float32)
+    g[1, 2] = 3.0e38
+    g[3, :] = -0.0
+    emulated = _pow2_step("emulate")(x, w, g)
+    by_xla = _pow2_step("xla")(x, w, g)
+    for name, e, o in zip(("forward", "dgrad", "wgrad"), emulated, by_xla, strict=True):
+        equal = same_bits(o, e)
+        assert equal.all(), f"{name}: xla differs at {np.argwhere(~equal)[:4].tolist()}"
+    xq = jaxmx.quantize(jnp.asarray(x), "fp8_e4m3_block", scale_mode="pow2")
+    wq = jaxmx.quantize(jnp.asarray(w), "fp8_e4m3_block", scale_mode="pow2", tile=(128, 128))
+    names = ["forward"]
+    bad = problems(np.asarray(emulated[0])[None], decode(xq)[None], decode(wq)[None], names)
+    assert not bad, bad[:4]

@@ -93,10 +93,11 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
         block_dims = (((a_block.ndim - 1,), (b_block.ndim - 1,)), (batch, batch))
         out = lax.dot_general(a_block, b_block, block_dims, preferred_element_type=jnp.float32)
         shift = a_e[..., :, None] + b_e[..., None, :]
-        big = bits.ldexp_rounded(out, shift)
-        small = bits.ldexp_rounded(out, shift + _SMALL_SHIFT)
-        tiny = jnp.abs(small) < 2.0 ** (_SMALL_SHIFT - _SMALL_BELOW)
-        return bits.where(tiny, 0.0, big), bits.where(tiny, small, 0.0)
+        # out is 0, non-finite or a normal float32 (a sum of multiples of 2^-32): its exponent
+        exponent = ((bits.to_bits(out) >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
+        tiny = exponent + shift < -_SMALL_BELOW
+        term = bits.ldexp_rounded(out, shift + bits.where(tiny, _SMALL_SHIFT, 0))
+        return bits.where(tiny, 0.0, term), bits.where(tiny, term, 0.0)
 
     def step(sums, blocks):
         big, small = terms(*blocks)

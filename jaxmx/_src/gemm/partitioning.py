@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.block_sharding import (
     BlockShardingError,
     ReducedAxis,
@@ -122,7 +123,7 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int,
         # the rule reports that misalignment itself.
         decode_shardings=False,
     )
-    return gemm
+    return exportable(gemm, lambda *args: local(out_dtype, args), where)
 
 
 def reduced(p: Plan, local: Callable, out_dtype):

@@ -35,13 +35,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.block_sharding import (
     BlockShardingError,
     ReducedAxis,
     mesh_axes,
     misaligned_message,
 )
+from jaxmx._src.core.exportable import exportable
 
 # The Shardy sharding rule. Factors: batch dims (...), rows m of the lhs, rows n of the rhs, the
 # reduction K of the codes (k) and of their K/32 scales (kb). The partition callback shards the

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core import bits
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.sizes import round_up
 
 ROW_TILE = 128
@@ -36,6 +37,10 @@ def swizzle_scales(scale: jax.Array) -> jax.Array:
     s = bits.as_bytes(scale, "swizzle_scales: scales", SWIZZLED_DTYPES)
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
+    return on_explicit_axes(_swizzled, s)
+
+
+def _swizzled(s: jax.Array) -> jax.Array:
     *batch, rows, cols = s.shape
     rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     s = jnp.pad(s, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
@@ -61,9 +66,13 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
         raise ValueError(
             f"a swizzled buffer for {rows}x{cols} scales has {rp * cp} bytes, got shape {b.shape}"
         )
+    return bits.from_bytes(on_explicit_axes(_unswizzled, b, rows=rows, cols=cols), dtype)
+
+
+def _unswizzled(b: jax.Array, rows: int, cols: int) -> jax.Array:
+    rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     *batch, _ = b.shape
     n = len(batch)
     s = b.reshape(*batch, rp // 128, cp // 4, 32, 4, 4)  # (r0, c0, r2, r1, c1)
     s = s.transpose(*range(n), n, n + 3, n + 2, n + 1, n + 4)  # (r0, r1, r2, c0, c1)
-    s = s.reshape(*batch, rp, cp)[..., :rows, :cols]
-    return bits.from_bytes(s, dtype)
+    return s.reshape(*batch, rp, cp)[..., :rows, :cols]

@@ -22,6 +22,7 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import blocked
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize import nvfp4
@@ -150,7 +151,8 @@ def block_stats(
     x = as_float_array(x, "block_stats: x")
     if x.ndim == 0:
         raise ValueError("block_stats expects an array of rank >= 1, got a scalar")
-    return _block_stats(x, f=f, axis=normalize_axis(axis, x.ndim), scale_mode=scale_mode)
+    axis = normalize_axis(axis, x.ndim)
+    return on_explicit_axes(_block_stats, x, f=f, axis=axis, scale_mode=scale_mode)
 
 
 @functools.partial(jax.jit, static_argnames=("f", "axis", "scale_mode"))

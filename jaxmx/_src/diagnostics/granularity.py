@@ -41,6 +41,7 @@ import numpy as np
 from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.recipes import (
     DEEPSEEK_FP8,
@@ -331,7 +332,7 @@ def granularity(
     _check_budget(underflow_budget)
     axis = normalize_axis(axis, x.ndim)
     return Granularity(
-        stats=_measure(x, element=element, axis=axis, levels=levels),
+        stats=on_explicit_axes(_measure, x, element=element, axis=axis, levels=levels),
         names=levels,
         element=element,
         span_limit=_span_limit(element),

@@ -49,6 +49,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import Recipe
 from jaxmx._src.diagnostics.block_stats import NAN_SCALE_EXP, block_stats
@@ -123,7 +124,12 @@ def leg_stats(
             f"{where}: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "
             "operand without elements has no blocks to measure"
         )
-    s = block_stats(jax.lax.stop_gradient(x), fmt, axis=axis, scale_mode=scale_mode)
+    x = jax.lax.stop_gradient(x)
+    return on_explicit_axes(_stats_of, x, fmt=fmt, axis=axis, scale_mode=scale_mode)
+
+
+def _stats_of(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
+    s = block_stats(x, fmt, axis=axis, scale_mode=scale_mode)
     finite = s.scale_exp != NAN_SCALE_EXP  # NVFP4: every block of a tensor holding NaN or inf
 
     def masked(a):

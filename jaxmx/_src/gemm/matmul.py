@@ -22,6 +22,7 @@ from jax import lax
 
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, untiled
 from jaxmx._src.core.recipes import Accumulation, check_accumulation
 from jaxmx._src.gemm import native
@@ -80,7 +81,7 @@ def matmul(
             accumulation=accumulation,
         )
     )
-    return run(chosen, a, b, out_dtype, accumulation)
+    return on_explicit_axes(lambda a, b: run(chosen, a, b, out_dtype, accumulation), a, b)
 
 
 def run(chosen: dict[str, str], a, b, out_dtype, accumulation: Accumulation | None = None):

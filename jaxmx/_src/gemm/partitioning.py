@@ -41,6 +41,7 @@ from jaxmx._src.core.block_sharding import (
     mesh_axes,
     misaligned_message,
 )
+from jaxmx._src.core.exportable import exportable
 
 # The Shardy sharding rule. Factors: batch dims (...), rows m of the lhs, rows n of the rhs, the
 # reduction K of the codes (k) and of their K/32 scales (kb). The partition callback shards the
@@ -122,7 +123,7 @@ def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int,
         # the rule reports that misalignment itself.
         decode_shardings=False,
     )
-    return gemm
+    return exportable(gemm, lambda *args: local(out_dtype, args), where)
 
 
 def reduced(p: Plan, local: Callable, out_dtype):

@@ -33,6 +33,7 @@ from jaxmx._src.core.blocks import (
 from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
+from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -292,8 +293,14 @@ def quantize_rowwise_colwise(
     if check_impl(impl) == "pallas":
         _check_pallas_format(f, "quantize_rowwise_colwise")
     return as_copies(
-        _rowwise_colwise(
-            x, key, f=f, scale_mode=scale_mode, impl=check_impl(impl), swizzled=swizzled_scales
+        on_explicit_axes(
+            _rowwise_colwise,
+            x,
+            key,
+            f=f,
+            scale_mode=scale_mode,
+            impl=check_impl(impl),
+            swizzled=swizzled_scales,
         )
     )
 

@@ -55,6 +55,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
+from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
@@ -203,7 +204,8 @@ def _partitioned(
         permutation_factors=("n",),
         decode_shardings=False,
     )
-    return jax.jit(vmappable(gemm, fold=None))
+    plain = exportable(gemm, lambda *args: local(args, None, out_dtype), _WHERE)
+    return jax.jit(vmappable(plain, fold=None))
 
 
 def _count(axes_sizes) -> int:

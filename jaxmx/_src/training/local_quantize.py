@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
 from jaxmx._src.core.blocks import padded_shape
+from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.partitioning import spec_of
@@ -71,7 +72,9 @@ def _partitioned(
     def quantized(*args):
         return local(*args)
 
-    batched = jax.custom_batching.custom_vmap(quantized)
+    batched = jax.custom_batching.custom_vmap(
+        exportable(quantized, local, "jaxmx.dot_general (a tiled weight's quantization)")
+    )
 
     @batched.def_vmap
     def rule(axis_size, in_batched, w, *g):  # custom_partitioning has no batching rule of its own

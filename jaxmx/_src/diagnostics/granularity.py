@@ -50,7 +50,6 @@ from jaxmx._src.core.recipes import (
     NVFP4,
     Recipe,
 )
-from jaxmx._src.diagnostics.block_stats import _bits_less
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -417,10 +416,10 @@ def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
     """``x`` as ``[groups, size]`` (one group per scale of ``level``) and the mask of its real
     elements (zero padding of partial blocks and tiles is not)."""
     if level == "tensor":
-        return x.reshape(1, -1), jnp.ones((1, x.size), bool)
+        return x.reshape(1, -1), _all_true((1, x.size))
     if level == "row":
-        return x.reshape(-1, x.shape[-1]), jnp.ones((x.size // x.shape[-1], x.shape[-1]), bool)
-    valid = jnp.ones(x.shape, bool)
+        return x.reshape(-1, x.shape[-1]), _all_true((x.size // x.shape[-1], x.shape[-1]))
+    valid = _all_true(x.shape)
     if level == "128x128":
         pad = [(0, 0)] * (x.ndim - 2) + [(0, -n % _TILE) for n in x.shape[-2:]]
         x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
@@ -434,6 +433,18 @@ def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
     pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % block)]
     x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
     return x.reshape(-1, block), valid.reshape(-1, block)
+
+
+def _all_true(shape: tuple[int, ...]) -> jax.Array:
+    """A boolean mask of ``shape``, all true, that XLA cannot evaluate while compiling (a
+    constant mask would be padded, reshaped and summed element by element at compile time)."""
+    return jax.lax.optimization_barrier(jnp.ones(shape, bool))
+
+
+def _bits_nonzero(b: jax.Array) -> jax.Array:
+    """``b != 0`` for the bits of non-negative float32 values, subnormals included (compared
+    field by field, as :func:`~jaxmx._src.diagnostics.block_stats._bits_less` does)."""
+    return ((b >> bits.MANTISSA_BITS) != 0) | ((b & bits.MANTISSA_MASK) != 0)
 
 
 def _magnitude_bits(x: jax.Array) -> jax.Array:
@@ -461,13 +472,13 @@ def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
     mean = jnp.sum(jnp.where(valid, values, 0.0), axis=1) / count
     var = jnp.sum(jnp.where(valid, (values - mean[:, None]) ** 2, 0.0), axis=1) / count
     std = jnp.sqrt(var)
-    all_zero = ~_bits_less(jnp.zeros_like(amax_bits), amax_bits)
+    all_zero = ~_bits_nonzero(amax_bits)
     return jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
 
 
 def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
     magnitude = _magnitude_bits(x)
-    nonzero = _bits_less(jnp.zeros_like(magnitude), magnitude)  # subnormals are not zero
+    nonzero = _bits_nonzero(magnitude)  # subnormals are not zero
     n = jnp.maximum(jnp.sum(nonzero), 1)
     finite_in = (magnitude >> bits.MANTISSA_BITS) != 0xFF
     holds_nonfinite = ~jnp.all(finite_in)

@@ -54,17 +54,18 @@ SCRIPT = textwrap.dedent(
     section("recipes")
     x = jax.random.normal(jax.random.key(0), (128, 128), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (128, 128), jnp.float32)
+    key = jax.random.key(2)
     for name in dir(jaxmx.recipes):
         recipe = getattr(jaxmx.recipes, name)
         if not isinstance(recipe, jaxmx.Recipe):
             continue
-        def loss(x, w, recipe=recipe):
-            with jaxmx.stochastic_rounding(jax.random.key(2)):
+        def loss(x, w, key, recipe=recipe):  # a fresh key each step: an argument
+            with jaxmx.stochastic_rounding(key):
                 return jaxmx.einsum("md,nd->mn", x, w, recipe=recipe).sum()
         step = jax.grad(loss, argnums=(0, 1))
-        jax.block_until_ready(jax.jit(step)(x, w))
+        jax.block_until_ready(jax.jit(step)(x, w, key))
         print("step", name, flush=True)
-        for found in constant_work(step, x, w):
+        for found in constant_work(step, x, w, key):
             print("CONSTANT", name, found)
     """
 )

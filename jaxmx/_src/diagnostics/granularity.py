@@ -706,9 +706,11 @@ def advise(
 
     ``fn(*args, **kwargs)`` computes a scalar loss with jaxmx GEMMs (:func:`jaxmx.dot_general`
     and what is built on it: the layers of a model converted by ``quantize_model`` are named by
-    module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced twice (once
-    abstractly to find the GEMMs) and run once under ``jax.jit`` with the gradient taken, all
-    statistics computed in the program (no host callbacks). The GEMMs run in their own recipes;
+    module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced abstractly twice
+    (to find the GEMMs, then the shapes of their gradient legs) and run once under ``jax.jit``
+    with the gradient taken, keeping every leg; each leg is then measured by
+    :func:`granularity`'s compiled program, one per leg shape (no host callbacks). The GEMMs
+    run in their own recipes;
     the legs are measured in ``fmt`` whatever those are.
 
     Args:

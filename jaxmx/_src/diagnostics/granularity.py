@@ -51,7 +51,6 @@ from jaxmx._src.core.recipes import (
     NVFP4,
     Recipe,
 )
-from jaxmx._src.diagnostics.block_stats import _bits_less
 from jaxmx._src.diagnostics.telemetry import LEGS
 from jaxmx._src.quantize.codec import decode_elements
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -418,10 +417,10 @@ def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
     """``x`` as ``[groups, size]`` (one group per scale of ``level``) and the mask of its real
     elements (zero padding of partial blocks and tiles is not)."""
     if level == "tensor":
-        return x.reshape(1, -1), jnp.ones((1, x.size), bool)
+        return x.reshape(1, -1), _all_true((1, x.size))
     if level == "row":
-        return x.reshape(-1, x.shape[-1]), jnp.ones((x.size // x.shape[-1], x.shape[-1]), bool)
-    valid = jnp.ones(x.shape, bool)
+        return x.reshape(-1, x.shape[-1]), _all_true((x.size // x.shape[-1], x.shape[-1]))
+    valid = _all_true(x.shape)
     if level == "128x128":
         pad = [(0, 0)] * (x.ndim - 2) + [(0, -n % _TILE) for n in x.shape[-2:]]
         x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
@@ -435,6 +434,18 @@ def _groups(x: jax.Array, level: str) -> tuple[jax.Array, jax.Array]:
     pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % block)]
     x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
     return x.reshape(-1, block), valid.reshape(-1, block)
+
+
+def _all_true(shape: tuple[int, ...]) -> jax.Array:
+    """A boolean mask of ``shape``, all true, that XLA cannot evaluate while compiling (a
+    constant mask would be padded, reshaped and summed element by element at compile time)."""
+    return jax.lax.optimization_barrier(jnp.ones(shape, bool))
+
+
+def _bits_nonzero(b: jax.Array) -> jax.Array:
+    """``b != 0`` for the bits of non-negative float32 values, subnormals included (compared
+    field by field, as :func:`~jaxmx._src.diagnostics.block_stats._bits_less` does)."""
+    return ((b >> bits.MANTISSA_BITS) != 0) | ((b & bits.MANTISSA_MASK) != 0)
 
 
 def _magnitude_bits(x: jax.Array) -> jax.Array:
@@ -462,13 +473,13 @@ def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
     mean = jnp.sum(jnp.where(valid, values, 0.0), axis=1) / count
     var = jnp.sum(jnp.where(valid, (values - mean[:, None]) ** 2, 0.0), axis=1) / count
     std = jnp.sqrt(var)
-    all_zero = ~_bits_less(jnp.zeros_like(amax_bits), amax_bits)
+    all_zero = ~_bits_nonzero(amax_bits)
     return jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
 
 
 def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
     magnitude = _magnitude_bits(x)
-    nonzero = _bits_less(jnp.zeros_like(magnitude), magnitude)  # subnormals are not zero
+    nonzero = _bits_nonzero(magnitude)  # subnormals are not zero
     n = jnp.maximum(jnp.sum(nonzero), 1)
     finite_in = (magnitude >> bits.MANTISSA_BITS) != 0xFF
     holds_nonfinite = ~jnp.all(finite_in)
@@ -551,33 +562,38 @@ def _leg_levels(levels: tuple[str, ...], leg: str) -> tuple[str, ...]:
     return levels if leg == "rhs" else tuple(lv for lv in levels if lv != "128x128")
 
 
-def _leg_stats(leg: Leg, element: str, levels: tuple[str, ...], name: str):
-    x = jax.lax.stop_gradient(leg.x).astype(jnp.float32)
-    axis = normalize_axis(leg.axis, x.ndim)
-    return _measure(x, element=element, axis=axis, levels=_leg_levels(levels, name))
+def _leg_tensor(leg: Leg) -> jax.Array:
+    """The tensor a leg quantizes, float32, out of the gradient."""
+    return jax.lax.stop_gradient(leg.x).astype(jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class _GradientLegs:
-    """A GEMM's backward hook (hashable): the stats of the output gradient's two copies."""
+    """A GEMM's backward hook (hashable): the output gradient's two copies, as tensors; with
+    ``sizes``, instead records their shapes and axes there under ``name`` and returns the
+    scalar tap's zero cotangent (the abstract pass that sizes the taps)."""
 
-    element: str
-    levels: tuple[str, ...]
+    sizes: dict | None = dataclasses.field(default=None, hash=False, compare=False)
+    name: str = ""
 
-    def __call__(self, dgrad: Leg, wgrad: Leg) -> dict[str, tuple[LevelStats, ...]]:
-        return {
-            "dgrad": _leg_stats(dgrad, self.element, self.levels, "dgrad"),
-            "wgrad": _leg_stats(wgrad, self.element, self.levels, "wgrad"),
-        }
+    def __call__(self, dgrad: Leg, wgrad: Leg):
+        legs = {"dgrad": dgrad, "wgrad": wgrad}
+        if self.sizes is None:
+            return {leg: _leg_tensor(g) for leg, g in legs.items()}
+        self.sizes[self.name] = {leg: (g.x.shape, g.axis) for leg, g in legs.items()}
+        return jnp.zeros((), jnp.float32)
 
 
 class _Advisor:
-    """The observer of :func:`advise`: each GEMM's forward legs measured at trace time, its
-    backward legs through its tap (see :mod:`jaxmx._src.training.scope`)."""
+    """The observer of :func:`advise`: each GEMM's forward legs kept as tensors (and their
+    axes), its backward legs through its tap (see :mod:`jaxmx._src.training.scope`): with
+    ``sizes``, a scalar tap per GEMM whose backward records the legs' shapes there; else each
+    GEMM of ``taps`` gets its tap, zeros shaped like its backward legs."""
 
-    def __init__(self, taps: dict | None, element: str, levels: tuple[str, ...]):
-        self.taps, self.element, self.levels = taps, element, levels
-        self.forward: dict[str, dict[str, tuple[LevelStats, ...]]] = {}
+    def __init__(self, taps: dict | None, sizes: dict | None = None):
+        self.taps, self.sizes = taps, sizes
+        self.forward: dict[str, dict[str, jax.Array]] = {}
+        self.axes: dict[str, dict[str, int]] = {}
         self._trace = jax.extend.core.get_opaque_trace_state()
 
     def forward_legs(self, name: str, recipe: Recipe, lhs: Leg, rhs: Leg) -> Tap | None:
@@ -592,13 +608,13 @@ class _Advisor:
             for c in [name] + [f"{name}#{i}" for i in range(1, len(self.forward) + 2)]
             if c not in self.forward
         )
-        self.forward[name] = {
-            "lhs": _leg_stats(lhs, self.element, self.levels, "lhs"),
-            "rhs": _leg_stats(rhs, self.element, self.levels, "rhs"),
-        }
-        if self.taps is None:
+        self.forward[name] = {"lhs": _leg_tensor(lhs), "rhs": _leg_tensor(rhs)}
+        self.axes[name] = {"lhs": lhs.axis, "rhs": rhs.axis}
+        if self.taps is None or name not in self.taps:
             return None
-        return Tap(self.taps[name], _GradientLegs(self.element, self.levels))
+        if self.sizes is not None:
+            return Tap(self.taps[name], _GradientLegs(self.sizes, name))
+        return Tap(self.taps[name], _GradientLegs())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -691,13 +707,18 @@ def advise(
 
     ``fn(*args, **kwargs)`` computes a scalar loss with jaxmx GEMMs (:func:`jaxmx.dot_general`
     and what is built on it: the layers of a model converted by ``quantize_model`` are named by
-    module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced twice (once
-    abstractly to find the GEMMs) and run once under ``jax.jit`` with the gradient taken, all
-    statistics computed in the program (no host callbacks). The GEMMs run in their own recipes;
+    module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced abstractly twice
+    (to find the GEMMs, then the shapes of their gradient legs) and run once under ``jax.jit``
+    with the gradient taken, keeping every leg; each leg is then measured by
+    :func:`granularity`'s compiled program, one per leg shape (no host callbacks). The GEMMs
+    run in their own recipes;
     the legs are measured in ``fmt`` whatever those are.
 
     Args:
-        fn: the loss function; ``args`` and ``kwargs`` are closed over (arrays, Flax modules).
+        fn: the loss function of ``args`` and ``kwargs`` (arrays, Flax nnx modules, any pytree):
+            their array leaves enter the step's ``jax.jit`` as arguments (arrays ``fn`` closes
+            over itself become constants of the program, which XLA folds while compiling:
+            pass them in ``args``), the other leaves as they are.
         fmt: the element format measured (as for :func:`granularity`).
         levels: the levels measured (as for :func:`granularity`; ``None``: all the format has).
             ``"128x128"`` is measured on the weight (``rhs``) only: activations and gradients
@@ -727,23 +748,45 @@ def advise(
         )
     _check_budget(underflow_budget)
     observers: list[_Advisor] = []
+    arrays, rebuild = _array_arguments((args, kwargs))
 
-    def run(taps):
-        observers.append(_Advisor(taps, element, levels))
+    def run(taps, arrays, sizes=None):
+        observers.append(_Advisor(taps, sizes))
+        step_args, step_kwargs = rebuild(arrays)
         with observing(observers[-1]):
-            loss = fn(*args, **kwargs)
+            loss = fn(*step_args, **step_kwargs)
         return loss, observers[-1].forward
 
-    jax.eval_shape(lambda: run(None))
+    jax.eval_shape(lambda arrays: run(None, arrays), arrays)
     names = list(observers[0].forward)
     if not names:
         raise ValueError("jaxmx.diagnostics.advise: the step ran no jaxmx GEMM; nothing to advise")
-    taps = {name: _zero_taps(levels) for name in names}
-    (loss, forward), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(taps)
-    forward, grads = jax.device_get((forward, grads))
+    sizes: dict[str, dict] = {}
+    scalars = {name: jnp.zeros((), jnp.float32) for name in names}
+    jax.eval_shape(jax.grad(lambda taps: run(taps, arrays, sizes)[0]), scalars)
+    taps = {
+        name: {leg: jnp.zeros(shape, jnp.float32) for leg, (shape, _) in legs.items()}
+        for name, legs in sizes.items()
+    }
+    (loss, forward), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(taps, arrays)
+    sized = observers[1]
+    axes = {
+        name: {
+            **sized.axes[name],
+            **{leg: axis for leg, (_, axis) in sizes.get(name, {}).items()},
+        }
+        for name in names
+    }
+    measured = {
+        name: {
+            leg: _leg_stats(x, axes[name][leg], element, levels, leg)
+            for leg, x in {**forward[name], **grads.get(name, {})}.items()
+        }
+        for name in names
+    }
     return Advice(
         {
-            name: _layer_advice(name, forward[name], grads[name], element, levels, underflow_budget)
+            name: _layer_advice(name, measured[name], element, levels, underflow_budget)
             for name in names
         },
         underflow_budget=float(underflow_budget),
@@ -751,15 +794,31 @@ def advise(
     )
 
 
-def _zero_taps(levels: tuple[str, ...]) -> dict[str, tuple[LevelStats, ...]]:
-    """A GEMM's zero tap: the structure of its gradient legs' stats."""
-    zero = LevelStats(*[jnp.zeros((), jnp.float32)] * len(LevelStats._fields))
-    n = len(_leg_levels(levels, "dgrad"))
-    return {"dgrad": (zero,) * n, "wgrad": (zero,) * n}
+def _leg_stats(x: jax.Array, axis: int, element: str, levels, leg: str):
+    """A leg's :class:`LevelStats`: one compiled program per shape, axis and levels, shared by
+    every leg that has them (the layers of a model repeat a few shapes)."""
+    axis = normalize_axis(axis, x.ndim)
+    return jax.device_get(_measure(x, element=element, axis=axis, levels=_leg_levels(levels, leg)))
 
 
-def _layer_advice(name, forward, gradients, element, levels, budget) -> LayerAdvice:
-    measured = {**forward, **gradients}
+def _array_arguments(tree) -> tuple[list, Callable]:
+    """The array leaves of ``tree`` (JAX and numpy arrays: the weights and data of a step) and
+    the function that puts leaves in their place. The step takes them as arguments of its
+    ``jax.jit``: closed over, they would be constants of the program, which XLA evaluates
+    while compiling (slowly, element by element)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array | np.ndarray)]
+
+    def rebuild(arrays):
+        filled = list(leaves)
+        for i, a in zip(where, arrays, strict=True):
+            filled[i] = a
+        return jax.tree.unflatten(treedef, filled)
+
+    return [leaves[i] for i in where], rebuild
+
+
+def _layer_advice(name, measured, element, levels, budget) -> LayerAdvice:
     legs = {
         leg: Granularity(
             stats=tuple(measured[leg]),

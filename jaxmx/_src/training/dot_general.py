@@ -387,7 +387,9 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     r = static.recipe
     (x_saved, w_saved), key = residuals
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
-    g = g.reshape(static.gemm_shape)
+    # The output gradient of a loss such as `y.sum()` is a constant: without the barrier XLA
+    # would evaluate its quantization while compiling, element by element (slow, and an alarm).
+    g = lax.optimization_barrier(g.reshape(static.gemm_shape))
     if r.residuals == "quantized":
         w_col = mx_from_bits(w_saved)
     else:

@@ -60,7 +60,26 @@ def test_the_extractor_finds_blocks_and_marks():
         examples("<!-- example: skip -->\n```python\nz\n```\n")
 
 
-@pytest.mark.parametrize("document", DOCUMENTS)
+PENDING = {
+    "docs/diagnostics.md": "line 133 uses `a`, defined in the text only",
+    "docs/distributed.md": "line 373 uses `w_in`, defined in the text only",
+    "docs/flax.md": "line 57 uses `jaxmx`, `model`, `key`, `tokens` of the text",
+    "docs/quantization.md": "line 273 passes a 1-D array to quantize_rowwise_colwise",
+    "docs/training_gemm.md": "line 363 uses `block`, defined in the text only",
+}
+"""Documents whose examples do not run as written yet (the first failing block); each is an
+expected failure, strict: once its examples run, the test says so and the entry goes."""
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        pytest.param(d, marks=pytest.mark.xfail(reason=PENDING[d], strict=True))
+        if d in PENDING
+        else d
+        for d in DOCUMENTS
+    ],
+)
 def test_the_examples_run_as_written(document, tmp_path):
     runnable, skipped = examples((ROOT / document).read_text())
     if not runnable:

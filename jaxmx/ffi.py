@@ -28,7 +28,7 @@ from jaxmx._src.gemm.availability import (
     fp8_supported,
     mx_supported,
 )
-from jaxmx._src.gemm.extension import register_targets
+from jaxmx._src.gemm.extension import build_info, register_targets
 from jaxmx._src.gemm.native import (
     BLOCK_FP8_FORMATS,
     BLOCK_FP8_TARGET,
@@ -59,6 +59,7 @@ __all__ = [
     "backends",
     "block_fp8_matmul",
     "block_fp8_supported",
+    "build_info",
     "cublaslt_supported",
     "fp4_matmul",
     "fp4_supported",

@@ -115,6 +115,22 @@ def test_emulation_feeds_bfloat16_operands_on_every_platform():
         assert dot and all("xbf16>, tensor" in line for line in dot), (platform, dot)
 
 
+def test_a_build_without_cublaslt_says_what_was_decided_and_how_to_change_it():
+    """The build info names the handlers built; without the CUDA handler, the report says that
+    JAXMX_CUDA was off (no headers were looked for) and gives the commands that build it."""
+    info = jaxmx.ffi.build_info()
+    assert info["handlers"][0] == "cpu" and info["has_cuda"] == ("cuda" in info["handlers"])
+    if info["has_cuda"]:
+        pytest.skip("this build has the cuBLASLt handler (JAXMX_CUDA=ON)")
+    assert info["handlers"] == ("cpu",)
+    for key in ("cublaslt", "cublaslt-block-fp8", "cublaslt-fp4"):
+        why = jaxmx.backends()[key]
+        assert "JAXMX_CUDA was not ON" in why and "no CUDA headers" not in why, why
+        assert "pip install nvidia-cublas nvidia-cuda-runtime" in why
+        assert "JAXMX_CUDA=ON pip install -e ." in why
+    assert info["cuda"] == jaxmx.backends()["cublaslt"]
+
+
 def test_the_availability_report_names_every_backend():
     report = jaxmx.backends()
     assert set(report) == {

@@ -5,6 +5,8 @@ import dataclasses
 import graphlib
 import json
 import pathlib
+import re
+import subprocess
 import sys
 
 import jax
@@ -14,10 +16,11 @@ import pytest
 from flax import nnx
 
 import jaxmx
-import jaxmx.demo.__main__ as demo_main
+import jaxmx.demo.commands as demo_main
 import jaxmx.demo.train as demo_train
 from jaxmx.demo import data, report, serve
-from jaxmx.demo.__main__ import build_parser, main, parse_args
+from jaxmx.demo.cli import build_generate_parser, build_parser, cache_note, parse_args
+from jaxmx.demo.commands import main
 from jaxmx.demo.train import Config, get_recipe, train
 
 TINY = [
@@ -81,8 +84,8 @@ def test_progress_is_a_bar_on_a_terminal_else_lines(capsys, monkeypatch):
         return capsys.readouterr().err
 
     assert run().splitlines() == [
-        "  bf16 step 2/4: train loss 0.500 (0 s)",
-        "  bf16 step 4/4: train loss 0.250, validation loss 0.500 (0 s)",
+        "  bf16 step 2/4: batch train loss 0.500 (0 s)",
+        "  bf16 step 4/4: batch train loss 0.250, validation loss 0.500 (0 s)",
     ]
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     bar = run()
@@ -290,7 +293,9 @@ def test_demo_advise_prints_table_and_trains_the_advised_mapping(tmp_path, capsy
     assert all(isinstance(r, jaxmx.Recipe) for r in mapping.values())
     for path in paths:
         assert path in out
-    assert "underflow budget 5%" in out and "advised  train 2.0200" in out
+    assert "underflow budget 5%" in out
+    assert "advised  train (mean of the last 10% of steps) 2.0200" in out
+    assert "the progress lines above show one step's batch loss" in out
     assert (tmp_path / "advise.txt").read_text().strip() in out
     assert (tmp_path / "granularity.png").read_bytes().startswith(b"\x89PNG")
     with pytest.raises(SystemExit, match="--advise does not combine"):
@@ -307,9 +312,14 @@ def test_demo_flag_errors():
 
 
 def _jaxmx_imports(path: pathlib.Path) -> tuple[set[str], list[str]]:
-    """The ``jaxmx.demo`` modules that ``path`` imports, and its function-level jaxmx imports."""
+    """The ``jaxmx.demo`` modules that ``path`` imports, and its function-level jaxmx imports
+    (the body of a module's ``if __name__ == "__main__":`` counts as its top level: the entry
+    point imports the training modules there, after the command line is parsed)."""
     tree = ast.parse(path.read_text())
     top = {id(node) for node in tree.body}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+            top.update(id(inner) for inner in node.body)
     demo, nested = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -336,10 +346,45 @@ def test_demo_modules_import_each_other_at_the_top_and_without_a_cycle():
 
 
 def test_a_model_generate_would_refuse_is_noted_before_training():
-    from jaxmx.demo.__main__ import cache_note
-
     assert cache_note(128, 4) is None  # the defaults: head_dim 32
     note = cache_note(64, 4)
     assert "head_dim 16 (--d-model 64 / --heads 4) is not a multiple of 32" in note
     assert "nvfp4 fits" in note and "--heads 2 gives head_dim 32" in note
     assert "gives head_dim" not in cache_note(48, 3)  # no head count makes 48 a multiple of 32
+
+
+def _flag_table(after: str) -> set[str]:
+    """The flags named in the first column of docs/demo.md's first table after ``after``."""
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "demo.md").read_text()
+    rows = text[text.index(after) :].split("\n| flag |", 1)[1].split("\n\n", 1)[0].splitlines()
+    return {flag for row in rows[2:] for flag in re.findall(r"`(--[a-z-]+)`", row.split("|")[1])}
+
+
+@pytest.mark.parametrize(
+    "after, parser", [("## Flags", build_parser), ("## Serving", build_generate_parser)]
+)
+def test_the_flag_tables_of_docs_demo_match_help(after, parser):
+    flags = {s for a in parser()._actions for s in a.option_strings if s.startswith("--")}
+    assert _flag_table(after) == flags - {"--help"}
+
+
+def test_help_answers_before_the_training_modules_load():
+    """``python -m jaxmx.demo --help`` parses with argparse before flax, optax, orbax and
+    matplotlib load (jax itself loads with the ``jaxmx`` package, the parent of ``jaxmx.demo``)."""
+    heavy = ("flax", "optax", "orbax", "matplotlib", "tqdm", "jaxmx.demo.train")
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['jaxmx.demo', *sys.argv[1:]]\n"
+        "try:\n"
+        "    runpy.run_module('jaxmx.demo', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        f"print('loaded:', sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    for argv in (["--help"], ["generate", "--help"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert "usage: python -m jaxmx.demo" in done.stdout
+        assert done.stdout.strip().endswith("loaded: []"), done.stdout[-300:]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from jaxmx.demo.__main__ import main
+from jaxmx.demo.commands import main
 
 pytestmark = pytest.mark.slow
 

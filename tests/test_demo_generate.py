@@ -12,7 +12,8 @@ from flax import nnx
 
 import jaxmx
 from jaxmx.demo import data, serve
-from jaxmx.demo.__main__ import build_generate_parser, main
+from jaxmx.demo.cli import build_generate_parser
+from jaxmx.demo.commands import main
 from jaxmx.demo.model import DenseCache, Transformer, init_caches
 from jaxmx.demo.train import Config, build_model
 from jaxmx.flax.nnx import quantize_weights

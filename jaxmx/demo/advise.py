@@ -78,9 +78,12 @@ def report(advice, mapping: dict, mxfp8_run, advised_run) -> str:
     """The advice table, the mapping and the two runs' final losses."""
     lines = [str(advice), "advised recipes:"]
     lines += [f"  {path}: {_name(recipe)}" for path, recipe in mapping.items()]
-    lines.append("final loss (train: mean of the last 10% of steps; validation after the last):")
+    lines.append("final losses (the progress lines above show one step's batch loss):")
     for run in (mxfp8_run, advised_run):
-        lines.append(f"  {run.name:8s} train {run.final_train:.4f}  val {run.final_val:.4f}")
+        lines.append(
+            f"  {run.name:8s} train (mean of the last 10% of steps) {run.final_train:.4f}  "
+            f"validation (after the last step) {run.final_val:.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -26,29 +26,11 @@ from flax import nnx
 import jaxmx
 from jaxmx import diagnostics
 from jaxmx.demo import data, diagnose
+from jaxmx.demo.config import FORMAT_RECIPES, RECIPES, Config
 from jaxmx.demo.losses import loss_fn, rounding
 from jaxmx.demo.model import Transformer
 from jaxmx.flax import MXAttention
 from jaxmx.flax.nnx import quantize_model
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Model size and training schedule. The defaults are the measured ones in docs/demo.md."""
-
-    steps: int = 600
-    d_model: int = 128
-    layers: int = 2
-    heads: int = 4
-    seq_len: int = 128
-    batch: int = 16
-    lr: float = 3e-3
-    warmup: int = 50
-    weight_decay: float = 0.1
-    eval_every: int = 100
-    eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
-    seed: int = 0
-    keep_last: int = 0  # under a recipe, the last blocks whose linear layers stay in BF16
 
 
 @dataclasses.dataclass
@@ -248,10 +230,10 @@ class _Progress:
     def update(self, step: int, loss: float, val: float | None = None) -> None:
         """After step ``step`` (1-based), its training loss and, if it validated, ``val``."""
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.bar.set_postfix(batch_loss=f"{loss:.3f}", refresh=False)
             self.bar.update()
         elif step % self.every == 0 or step == self.total:
-            line = f"{self.name:>6s} step {step}/{self.total}: train loss {loss:.3f}"
+            line = f"{self.name:>6s} step {step}/{self.total}: batch train loss {loss:.3f}"
             if val is not None:
                 line += f", validation loss {val:.3f}"
             line += f" ({time.perf_counter() - self.start:.0f} s)"
@@ -260,31 +242,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-RECIPES = (
-    "mxfp8",
-    "mxfp8_hybrid",
-    "mxfp8_2d",
-    "deepseek_fp8",
-    "fp8_block_pow2",
-    "fp8_tensorwise",
-    "fp8_rowwise",
-    "fp8_rowwise_gw_hp",
-    "mxfp6_e2m3",
-    "mxfp6_e3m2",
-    "mxint8",
-    "nvfp4",
-    "mxfp4",
-)
-
-FORMAT_RECIPES = ("mxfp6_e2m3", "mxfp6_e3m2", "mxint8")
-"""Demo recipes without a ``jaxmx.recipes`` preset: one format for every operand,
-``jaxmx.Recipe(fwd=name, grad=name)`` (rceil scales)."""
-
-KEEP_LAST = {"nvfp4": 1, "mxfp4": 1}
-"""The default ``Config.keep_last`` of a demo recipe (0 if not listed): NVIDIA's NVFP4 recipe
-keeps the last blocks in higher precision."""
 
 
 def get_recipe(name: str = "mxfp8", backend: str | None = None):

@@ -171,10 +171,7 @@ def probe() -> Capabilities:
     if ext is None:
         return Capabilities(no_device=reason)
     if not ext.has_cuda:
-        return Capabilities(
-            no_device="extension built without cuBLASLt (no CUDA headers found at build time; "
-            "see docs/native.md)"
-        )
+        return Capabilities(no_device=extension.NO_CUBLASLT)
     try:
         devices = jax.devices("cuda")
     except RuntimeError:

@@ -1,7 +1,8 @@
 """The ``jaxmx._ffi`` extension: loading it, registering its custom-call handlers, and why not.
 
 The extension holds the native GEMM's XLA FFI handlers: plain C++ for the CPU (always built) and
-cuBLASLt for CUDA (built when the CUDA headers were found, see docs/native.md).
+cuBLASLt for CUDA (built with ``JAXMX_CUDA=ON``, see docs/native.md); :func:`build_info` says
+which.
 
 Example:
     >>> from jaxmx._src.gemm import extension
@@ -27,6 +28,38 @@ def load():
     except ImportError as e:  # a build without the extension, or a broken one
         return None, f"the extension jaxmx._ffi does not import: {e}"
     return _ffi, None
+
+
+NO_CUBLASLT = (
+    "extension built without the cuBLASLt handler: JAXMX_CUDA was not ON when it was built "
+    "(the default; the C++ CPU handler only). To build it: pip install nvidia-cublas "
+    "nvidia-cuda-runtime nvidia-cuda-crt nvidia-cuda-cccl, then JAXMX_CUDA=ON pip install -e . "
+    "in the jaxmx clone (docs/native.md)"
+)
+"""Why there is no CUDA handler in a build without it: the build decided so (``JAXMX_CUDA`` is an
+explicit option, default OFF; with it ON, a build without the CUDA headers fails)."""
+
+
+def build_info() -> dict:
+    """What the extension was built with: ``handlers`` (the platforms it has handlers for,
+    ``("cpu",)`` or ``("cpu", "cuda")``), ``cuda`` (``"built"`` or why not) and the build's
+    own facts (``jaxmx._ffi.build_info()``: compiler, CUDA header versions and directories);
+    ``{"handlers": (), "error": why}`` when the extension does not import.
+
+    Example:
+        >>> from jaxmx._src.gemm import extension
+        >>> extension.build_info()["handlers"][0]
+        'cpu'
+    """
+    ext, reason = load()
+    if ext is None:
+        return {"handlers": (), "error": reason}
+    handlers = ("cpu", "cuda") if ext.has_cuda else ("cpu",)
+    return {
+        "handlers": handlers,
+        "cuda": "built" if ext.has_cuda else NO_CUBLASLT,
+        **ext.build_info(),
+    }
 
 
 _lock = threading.Lock()
@@ -82,6 +115,6 @@ def handler_status(platform: str) -> str:
         return cpu_status()
     if platform == "cuda":
         if not ext.has_cuda:
-            return "extension built without cuBLASLt (see docs/native.md)"
+            return NO_CUBLASLT
         return cpu_status()  # the same registration covers both platforms
     return f"the extension has handlers for CPU and CUDA only, not {platform}"

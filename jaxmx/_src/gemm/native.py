@@ -1,7 +1,7 @@
 """The native GEMMs: XLA FFI custom calls into the ``jaxmx._ffi`` extension.
 
 Four custom-call targets, each with a CPU handler (plain C++, always built) and a cuBLASLt handler
-(built when the CUDA headers were found, see docs/native.md):
+(built with ``JAXMX_CUDA=ON``, see docs/native.md):
 
 - ``jaxmx_mx_matmul``: MXFP8 operands (E4M3 / E5M2 codes, one E8M0 scale per 32 elements along
   K, scales in the cuBLAS 128x4 tiled layout); cuBLASLt ``VEC32_UE8M0`` block scaling, which

@@ -4,8 +4,8 @@
 ``optim``, ``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own
 layer and the ones below; the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.checkpoints``,
 ``jaxmx.ffi``, ``jaxmx.diagnostics``, ``jaxmx.optim``, ``jaxmx.flax``) only re-export ``_src``
-names, and the demo sits above everything. These tests read every module's imports with ``ast`` (nothing is
-imported) and fail on:
+names, and the demo sits above everything. These tests read every module's imports with
+``ast`` (nothing is imported) and fail on:
 
 - a cycle among module-level imports of jaxmx modules;
 - a ``_src`` module importing a public facade;

@@ -31,17 +31,20 @@ from jaxmx._src.optim import moments
 
 
 class ScaleByAdamState(NamedTuple):
-    """The state of :func:`scale_by_adam`: the step count and, per parameter, each moment as a
-    :class:`~moments.DenseMoment` or :class:`~moments.BlockMoment`."""
+    """The state of :func:`scale_by_adam`: the step count and each moment as a tuple of
+    :class:`~moments.DenseMoment` / :class:`~moments.BlockMoment`, one per parameter in the
+    order of ``jax.tree.leaves(params)``, each naming its parameter's path. (A flat tuple, not
+    a copy of the parameters' tree: ``nnx.Optimizer`` keeps a tree's Variables, which would
+    wrap each moment.)"""
 
     count: jax.Array
-    mu: Any
-    nu: Any
+    mu: tuple
+    nu: tuple
 
 
-def is_moment(x) -> bool:
-    """Whether ``x`` is a stored moment (a pytree node of a moments tree)."""
-    return isinstance(x, (moments.DenseMoment, moments.BlockMoment))
+def param_name(path) -> str:
+    """A parameter's path as text, without the ``.value`` of an nnx Variable."""
+    return jax.tree_util.keystr(path).removesuffix(".value")
 
 
 def _lerp(start: jax.Array, end: jax.Array, weight: float) -> jax.Array:
@@ -81,12 +84,12 @@ def scale_by_adam(
     Example:
         >>> import jax.numpy as jnp
         >>> tx = scale_by_adam(state_format="bfloat16")
-        >>> tx.init({"w": jnp.ones((4, 4))}).mu["w"].values.dtype
+        >>> tx.init({"w": jnp.ones((4, 4))}).mu[0].values.dtype
         dtype(bfloat16)
     """
     formats = {
-        "mu": moments.check_format(mu_format or state_format, "mu_format"),
-        "nu": moments.check_format(nu_format or state_format, "nu_format"),
+        "mu": moments.check_format(mu_format or state_format, "mu_format" * bool(mu_format)),
+        "nu": moments.check_format(nu_format or state_format, "nu_format" * bool(nu_format)),
     }
     if block_size is not None and (block_size < 2 or block_size % 2):
         raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
@@ -95,42 +98,43 @@ def scale_by_adam(
     def init_fn(params):
         def init_one(path, p, key):
             fmt, block = formats[key], blocks[key]
-            name = jax.tree_util.keystr(path)
+            name = param_name(path)
             note = moments.dense_note(tuple(p.shape), block, min_size)
             if key == "mu" and fmt in moments.BLOCK_FORMATS and note and p.size >= min_size:
                 warnings.warn(
                     f"optimizer state of {name} (shape {tuple(p.shape)}) stays float32: {note}; "
                     "pad it to a multiple of the block or pass a block_size that divides it",
-                    stacklevel=4,
+                    stacklevel=3,
                 )
             return moments.zeros(
                 p, fmt, signed=key == "mu", block=block, min_size=min_size, name=name
             )
 
-        mu = jax.tree_util.tree_map_with_path(lambda path, p: init_one(path, p, "mu"), params)
-        nu = jax.tree_util.tree_map_with_path(lambda path, p: init_one(path, p, "nu"), params)
+        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        mu = tuple(init_one(path, p, "mu") for path, p in leaves)
+        nu = tuple(init_one(path, p, "nu") for path, p in leaves)
         return ScaleByAdamState(jnp.zeros([], jnp.int32), mu, nu)
 
     def update_fn(updates, state, params=None):
         del params
+        leaves, treedef = jax.tree.flatten(updates)
+        if len(leaves) != len(state.mu):
+            raise ValueError(
+                f"scale_by_adam: {len(leaves)} updates for a state of {len(state.mu)} parameters"
+            )
         count = optax.safe_increment(state.count)
         t = count.astype(jnp.float32)
         correction1 = 1 - jnp.float32(b1) ** t
         correction2 = 1 - jnp.float32(b2) ** t
-
-        def one(g, mu, nu):
+        directions, mu, nu = [], [], []
+        for g, stored_m, stored_v in zip(leaves, state.mu, state.nu, strict=True):
             g = g.astype(jnp.float32)
-            m = _lerp(moments.decode(mu), g, 1 - b1)
-            v = _lerp(moments.decode(nu), g * g, 1 - b2)
-            direction = (m / correction1) / (jnp.sqrt(v) / jnp.sqrt(correction2) + eps)
-            return direction, moments.encode(m, mu), moments.encode(v, nu)
-
-        out = jax.tree.map(one, updates, state.mu, state.nu)
-        treedef = jax.tree.structure(updates)
-        direction, mu, nu = (
-            treedef.unflatten(list(x)) for x in zip(*treedef.flatten_up_to(out), strict=True)
-        )
-        return direction, ScaleByAdamState(count, mu, nu)
+            m = _lerp(moments.decode(stored_m), g, 1 - b1)
+            v = _lerp(moments.decode(stored_v), g * g, 1 - b2)
+            directions.append((m / correction1) / (jnp.sqrt(v) / jnp.sqrt(correction2) + eps))
+            mu.append(moments.encode(m, stored_m))
+            nu.append(moments.encode(v, stored_v))
+        return treedef.unflatten(directions), ScaleByAdamState(count, tuple(mu), tuple(nu))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -153,7 +157,7 @@ def adam(
     Example:
         >>> import jax.numpy as jnp
         >>> tx = adam(1e-3, state_format="4bit")
-        >>> tx.init({"w": jnp.ones((64, 128))})[0].mu["w"].codes.shape
+        >>> tx.init({"w": jnp.ones((64, 128))})[0].mu[0].codes.shape
         (64, 64)
     """
     return optax.chain(
@@ -191,7 +195,7 @@ def adamw(
     Example:
         >>> import jax.numpy as jnp
         >>> tx = adamw(1e-3, weight_decay=0.1, state_format="fp8")
-        >>> tx.init({"w": jnp.ones((16, 256))})[0].mu["w"].codes.dtype
+        >>> tx.init({"w": jnp.ones((16, 256))})[0].mu[0].codes.dtype
         dtype(float8_e4m3fn)
     """
     return optax.chain(

@@ -59,11 +59,13 @@ class DenseMoment:
         values: float32 or bfloat16.
         format: ``"float32"`` or ``"bfloat16"``.
         note: why a moment asked for in a block format is float32 instead; empty otherwise.
+        name: the parameter's path.
     """
 
     values: jax.Array
     format: str = dataclasses.field(metadata=dict(static=True))
     note: str = dataclasses.field(default="", metadata=dict(static=True))
+    name: str = dataclasses.field(default="", metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +83,7 @@ class BlockMoment:
         shape: the parameter's shape.
         axis: the first of the trailing axes the blocks run over (:func:`block_axis`).
         block: elements per block.
+        name: the parameter's path.
     """
 
     codes: jax.Array
@@ -90,15 +93,20 @@ class BlockMoment:
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
     block: int = dataclasses.field(metadata=dict(static=True))
+    name: str = dataclasses.field(default="", metadata=dict(static=True))
 
 
 Moment = DenseMoment | BlockMoment
 
 
-def check_format(name: str, what: str = "format") -> str:
-    """``name`` if it is one of :data:`MOMENT_FORMATS`, else a ValueError naming the choices."""
+def check_format(name: str, argument: str = "") -> str:
+    """``name`` if it is one of :data:`MOMENT_FORMATS`, else a ValueError naming the argument
+    (default ``state_format``) and the choices."""
     if name not in MOMENT_FORMATS:
-        raise ValueError(f"unknown moment {what} {name!r}; expected one of {MOMENT_FORMATS}")
+        raise ValueError(
+            f"unknown moment format {name!r} ({argument or 'state_format'}); "
+            f"expected one of {MOMENT_FORMATS}"
+        )
     return name
 
 
@@ -142,10 +150,11 @@ def zeros(param, fmt: str, *, signed: bool, block: int, min_size: int, name: str
     """
     shape = tuple(param.shape)
     if fmt in ("float32", "bfloat16"):
-        return DenseMoment(_placed(jnp.zeros(shape, fmt), param, P), fmt)
+        return DenseMoment(_placed(jnp.zeros(shape, fmt), param, P), fmt, name=name)
     note = dense_note(shape, block, min_size)
     if note:
-        return DenseMoment(_placed(jnp.zeros(shape, jnp.float32), param, P), "float32", note)
+        values = _placed(jnp.zeros(shape, jnp.float32), param, P)
+        return DenseMoment(values, "float32", note, name)
     axis = block_axis(shape, block)
     spec = _scale_spec(param, shape, axis, block, fmt, name)
     trailing = math.prod(shape[axis:])
@@ -156,7 +165,7 @@ def zeros(param, fmt: str, *, signed: bool, block: int, min_size: int, name: str
         dtype = jnp.uint8 if fmt == "8bit" else jnp.float8_e4m3fn
         codes = _placed(jnp.zeros(shape, dtype), param, P)
     scales = _placed(jnp.zeros((*shape[:axis], trailing // block), jnp.float32), param, spec)
-    return BlockMoment(codes, scales, fmt, signed, shape, axis, block)
+    return BlockMoment(codes, scales, fmt, signed, shape, axis, block, name)
 
 
 def _scale_spec(param, shape, axis, block, fmt, name) -> P | None:
@@ -223,8 +232,8 @@ def encode(x: jax.Array, like: Moment) -> Moment:
     lead = like.shape[: like.axis]
     blocks = x.reshape((*lead, -1, like.block))
     absmax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), MIN_SCALE)
-    scales = absmax / FP8_MAX if like.format == "fp8" else absmax
-    scaled = blocks / scales[..., None]
+    scales = divide(absmax, jnp.float32(FP8_MAX)) if like.format == "fp8" else absmax
+    scaled = divide(blocks, scales[..., None])
     if like.format == "fp8":
         codes = scaled.astype(jnp.float8_e4m3fn).reshape(like.shape)
     else:
@@ -235,6 +244,13 @@ def encode(x: jax.Array, like: Moment) -> Moment:
         else:
             codes = codes.reshape(like.shape)
     return dataclasses.replace(like, codes=codes, scales=scales)
+
+
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` (``b`` broadcast to ``a``'s shape) rounded once. XLA rewrites a division by a
+    broadcast into a multiplication by the rounded reciprocal (two roundings, a different scale
+    or code near a tie); the barrier hands it a full-shape divisor instead."""
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(b, a.shape))
 
 
 def nbytes(m: Moment) -> int:

@@ -68,16 +68,12 @@ def state_report(state) -> StateReport:
         if not is_adam(node):
             continue
         for moment in ("mu", "nu"):
-            tree = getattr(node, moment)
-            found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=adam.is_moment)[0]
-            for path, m in found:
-                if not adam.is_moment(m):
-                    continue
+            for m in getattr(node, moment):
                 shape = m.shape if isinstance(m, moments.BlockMoment) else m.values.shape
                 note = m.note if isinstance(m, moments.DenseMoment) else ""
                 rows.append(
                     MomentRow(
-                        path=_path(path),
+                        path=m.name,
                         moment=moment,
                         format=m.format,
                         shape=tuple(shape),
@@ -86,9 +82,3 @@ def state_report(state) -> StateReport:
                     )
                 )
     return StateReport(rows=tuple(rows), total_bytes=state_bytes(state))
-
-
-def _path(path) -> str:
-    """A parameter's path, without the key nnx's Variables add to their value."""
-    text = jax.tree_util.keystr(path)
-    return text.removesuffix(".value").removesuffix("['value']")

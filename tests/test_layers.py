@@ -1,11 +1,11 @@
 """The package's layers, checked from its import statements (docs/architecture.md).
 
 ``jaxmx/_src`` is cut into layers, lowest first: ``core``, ``quantize``, ``gemm``, ``training``,
-``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own layer and
-the ones below; the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.checkpoints``,
-``jaxmx.ffi``, ``jaxmx.diagnostics``, ``jaxmx.flax``) only re-export ``_src`` names, and the
-demo sits above everything. These tests read every module's imports with ``ast`` (nothing is
-imported) and fail on:
+``optim``, ``serving``, ``checkpoints``, ``diagnostics``, ``flax``. A module may import its own
+layer and the ones below; the public facades (``jaxmx``, ``jaxmx.recipes``, ``jaxmx.checkpoints``,
+``jaxmx.ffi``, ``jaxmx.diagnostics``, ``jaxmx.optim``, ``jaxmx.flax``) only re-export ``_src``
+names, and the demo sits above everything. These tests read every module's imports with
+``ast`` (nothing is imported) and fail on:
 
 - a cycle among module-level imports of jaxmx modules;
 - a ``_src`` module importing a public facade;
@@ -24,13 +24,24 @@ import importlib.util
 import pathlib
 import textwrap
 
-LAYERS = ("core", "quantize", "gemm", "training", "serving", "checkpoints", "diagnostics", "flax")
+LAYERS = (
+    "core",
+    "quantize",
+    "gemm",
+    "training",
+    "optim",
+    "serving",
+    "checkpoints",
+    "diagnostics",
+    "flax",
+)
 FACADES = (
     "jaxmx",
     "jaxmx.recipes",
     "jaxmx.checkpoints",
     "jaxmx.ffi",
     "jaxmx.diagnostics",
+    "jaxmx.optim",
     "jaxmx.flax",
     "jaxmx.flax.linen",
     "jaxmx.flax.nnx",

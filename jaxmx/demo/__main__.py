@@ -153,12 +153,15 @@ def build_generate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weights-fmt",
-        choices=FORMATS,
+        choices=[n for n, f in FORMATS.items() if f.gemm_operand],
         default="mxfp8_e4m3",
         help="format of the linear layers' weights at rest (weight-only)",
     )
     p.add_argument(
-        "--cache-fmt", choices=FORMATS, default="mxfp8_e4m3", help="format of the MX KV cache"
+        "--cache-fmt",
+        choices=[n for n, f in FORMATS.items() if f.gemm_operand],
+        default="mxfp8_e4m3",
+        help="format of the MX KV cache",
     )
     p.add_argument(
         "--eval-batches",
@@ -185,7 +188,11 @@ def cache_note(d_model: int, heads: int) -> str | None:
     block = FORMATS["mxfp8_e4m3"].block
     if head_dim % block == 0:
         return None
-    fits = sorted(n for n, f in FORMATS.items() if f.span == "block" and head_dim % f.block == 0)
+    fits = sorted(
+        n
+        for n, f in FORMATS.items()
+        if f.span == "block" and f.gemm_operand and head_dim % f.block == 0
+    )
     hint = [f"{' / '.join(fits)} fits"] if fits else []
     if d_model % block == 0:
         h = max(h for h in range(1, d_model // block + 1) if d_model % (block * h) == 0)

@@ -19,7 +19,7 @@ import sys
 
 import jax
 
-from jaxmx import BACKENDS, FORMATS
+from jaxmx import BACKENDS, FORMATS, SAVE_FORMATS
 from jaxmx.demo import advise, report, serve
 from jaxmx.demo.train import (
     KEEP_LAST,
@@ -66,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches per validation; None: the whole validation split",
     )
     p.add_argument("--recipe", choices=RECIPES, default="mxfp8", help="the quantized run's recipe")
+    p.add_argument(
+        "--save-activations",
+        choices=("none", *SAVE_FORMATS),
+        default="none",
+        help="keep each block's saved inputs (norms, attention output, GELU) in this format for "
+        "the backward pass (jaxmx.save_quantized), in both compared runs; the --seeds band "
+        "stays plain BF16",
+    )
     p.add_argument(
         "--keep-last",
         type=int,
@@ -249,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         keep_last=keep_last,
+        save_activations=None if args.save_activations == "none" else args.save_activations,
     )
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")

@@ -49,6 +49,7 @@ class Config:
     eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
     seed: int = 0
     keep_last: int = 0  # under a recipe, the last blocks whose linear layers stay in BF16
+    save_activations: str | None = None  # jaxmx.SAVE_FORMATS: blocks' saved inputs in 8/12 bits
 
 
 @dataclasses.dataclass
@@ -100,7 +101,13 @@ def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transforme
     those of the last ``cfg.keep_last`` blocks (kept in BF16), and with ``attention`` its
     attention products (``QK^T``, ``PV``) too."""
     model = Transformer(
-        data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
+        data.VOCAB,
+        cfg.d_model,
+        cfg.layers,
+        cfg.heads,
+        cfg.seq_len,
+        rngs=nnx.Rngs(cfg.seed),
+        save_fmt=cfg.save_activations,
     )
     if recipe is not None:
         quantize_model(model, recipe, keep_last=cfg.keep_last)
@@ -350,10 +357,11 @@ def compare(
 
 def seed_band(cfg: Config, seeds: int, *, progress: bool = True) -> list[RunResult]:
     """BF16 reruns with seeds ``cfg.seed + 1 .. cfg.seed + seeds`` (weights and data order):
-    with the baseline run, the run-to-run spread that a precision change should stay inside."""
+    with the baseline run, the run-to-run spread that a precision change should stay inside.
+    The reruns keep their activations as autodiff does (``save_activations=None``)."""
     return [
         train(
-            dataclasses.replace(cfg, seed=cfg.seed + i),
+            dataclasses.replace(cfg, seed=cfg.seed + i, save_activations=None),
             None,
             name=f"bf16 seed {cfg.seed + i}",
             progress=progress,

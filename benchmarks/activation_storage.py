@@ -52,7 +52,7 @@ def step_temp_bytes(cfg: Config, recipe, scan: bool, remat: bool = False) -> int
         def loss(state, tokens, targets):
             embed, pos, norm, head = nnx.merge(outer_def, state[0])
             x = embed(tokens) + pos[...][: tokens.shape[1]].astype(model.dtype)
-            body = lambda x, s: (nnx.merge(block_def, s)(x), None)  # noqa: E731
+            body = lambda x, s: (nnx.merge(block_def, s)(x), None)
             x, _ = lax.scan(jax.checkpoint(body) if remat else body, x, state[1])
             return cross_entropy(head(norm(x)).astype(jnp.float32), targets)
 
@@ -90,8 +90,11 @@ def main(argv=None) -> None:
                 )
             if scan:
                 temp = step_temp_bytes(base, recipe, scan, remat=True)
-                print(f"{'scanned':9} {rname:6} {'none, remat':16} {temp / 2**20:9.2f} "
-                      f"{temp / ref:8.3f}", flush=True)
+                print(
+                    f"{'scanned':9} {rname:6} {'none, remat':16} {temp / 2**20:9.2f} "
+                    f"{temp / ref:8.3f}",
+                    flush=True,
+                )
     if not args.steps:
         return
     print(f"\nloss after {base.steps} steps (BF16 GEMMs, same seed and batches)")

@@ -82,6 +82,8 @@ def test_e5m6_quantize_matches_numpy():
     np.testing.assert_array_equal(np.asarray(q.data), codes)
     want = VALUES[codes.astype(int)] * np.repeat(scales, 128, axis=1)
     np.testing.assert_array_equal(np.asarray(jaxmx.dequantize(q)), want.astype(np.float32))
+    fake = jaxmx.fake_quantize(jnp.asarray(x), "e5m6_block")
+    np.testing.assert_array_equal(np.asarray(fake), want.astype(np.float32))
 
 
 def test_e5m6_refused_where_it_cannot_go():

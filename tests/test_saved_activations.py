@@ -10,11 +10,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # in a test only: the residuals' avals
 from reference import dequantize as mx_dequantize
 from reference import quantize as mx_quantize
 
 import jaxmx
+from jaxmx.demo.losses import loss_fn
+from jaxmx.demo.train import Config, build_model
 
 # --- an independent E5M6: 1 sign, 5 exponent (bias 15), 6 mantissa bits, IEEE-like ----------
 
@@ -191,10 +194,6 @@ def test_under_jit_vmap_scan_and_remat():
 
 
 def test_demo_model_with_saved_activations():
-    from flax import nnx
-
-    from jaxmx.demo.losses import loss_fn
-    from jaxmx.demo.train import Config, build_model
 
     cfg = Config(d_model=32, layers=1, heads=1, seq_len=16, batch=2)
     tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)

@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=list(jaxmx.SAVE_FORMATS))
     p.add_argument("--steps", type=int, default=0, help="training steps per loss run; 0: none")
+    p.add_argument("--no-memory", action="store_true", help="skip the step-memory table")
     p.add_argument("--d-model", type=int, default=Config.d_model)
     p.add_argument("--layers", type=int, default=Config.layers)
     p.add_argument("--seq-len", type=int, default=Config.seq_len)
@@ -74,6 +75,22 @@ def main(argv=None) -> None:
         base = dataclasses.replace(base, steps=args.steps)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {base}")
     fmts = [None, *args.formats]
+    if not args.no_memory:
+        memory_table(base, fmts)
+    if not args.steps:
+        return
+    print(f"\nloss after {base.steps} steps (BF16 GEMMs, same seed and batches)")
+    print(f"{'saved in':16} {'val loss':>9} {'vs none':>9}")
+    ref = None
+    for fmt in fmts:
+        cfg = dataclasses.replace(base, save_activations=fmt)
+        val = train(cfg, None, name=fmt or "none", progress=False).final_val
+        ref = ref or val
+        print(f"{fmt or 'none':16} {val:9.4f} {val / ref - 1:+9.2%}", flush=True)
+
+
+def memory_table(base: Config, fmts) -> None:
+    """Prints the step-memory rows of each format, unrolled and scanned, BF16 and MXFP8."""
     print("\nstep memory (temporary bytes of the compiled value_and_grad, XLA:CPU)")
     print(f"{'blocks':9} {'recipe':6} {'saved in':16} {'temp MiB':>9} {'vs none':>8}")
     for scan in (False, True):
@@ -95,16 +112,6 @@ def main(argv=None) -> None:
                     f"{temp / ref:8.3f}",
                     flush=True,
                 )
-    if not args.steps:
-        return
-    print(f"\nloss after {base.steps} steps (BF16 GEMMs, same seed and batches)")
-    print(f"{'saved in':16} {'val loss':>9} {'vs none':>9}")
-    ref = None
-    for fmt in fmts:
-        cfg = dataclasses.replace(base, save_activations=fmt)
-        val = train(cfg, None, name=fmt or "none", progress=False).final_val
-        ref = ref or val
-        print(f"{fmt or 'none':16} {val:9.4f} {val / ref - 1:+9.2%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ from jaxmx._src.training.einsum import einsum
 from jaxmx._src.training.expert_parallel import expert_parallel_ffn
 from jaxmx._src.training.fsdp import fsdp_dot_general
 from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
+from jaxmx._src.training.saved_activations import (
+    SAVE_FORMATS,
+    SAVED_QUANTIZED,
+    save_quantized,
+)
 from jaxmx._src.training.scope import stochastic_rounding
 from jaxmx._version import __version__
 
@@ -58,6 +63,8 @@ __all__ = [
     "NVFP4_SCALE_MODES",
     "RHS_COLWISE",
     "RHS_INPUT",
+    "SAVED_QUANTIZED",
+    "SAVE_FORMATS",
     "SCALE_MODES",
     "BlockShardingError",
     "Copies",
@@ -87,6 +94,7 @@ __all__ = [
     "recipes",
     "requantize",
     "rht",
+    "save_quantized",
     "stochastic_rounding",
     "swizzle_scales",
     "unswizzle_scales",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxmx import BACKENDS, FORMATS
+from jaxmx import BACKENDS, FORMATS, SAVE_FORMATS
 from jaxmx.demo.config import RECIPES, Config
 
 DESCRIPTION = "The jaxmx demo: the same small transformer trained in BF16 and in MXFP8, compared."
@@ -49,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="batches per validation; None: the whole validation split",
     )
     p.add_argument("--recipe", choices=RECIPES, default="mxfp8", help="the quantized run's recipe")
+    p.add_argument(
+        "--save-activations",
+        choices=("none", *SAVE_FORMATS),
+        default="none",
+        help="keep each block's saved inputs (norms, attention output, GELU) in this format for "
+        "the backward pass (jaxmx.save_quantized), in both compared runs; the --seeds band "
+        "stays plain BF16",
+    )
     p.add_argument(
         "--keep-last",
         type=int,

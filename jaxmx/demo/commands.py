@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         eval_batches=args.eval_batches,
         keep_last=keep_last,
+        save_activations=None if args.save_activations == "none" else args.save_activations,
     )
     recipe = get_recipe(args.recipe, args.backend)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()})")

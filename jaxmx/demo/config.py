@@ -29,6 +29,7 @@ class Config:
     eval_batches: int | None = None  # validation batches per evaluation (None: the whole split)
     seed: int = 0
     keep_last: int = 0  # under a recipe, the last blocks whose linear layers stay in BF16
+    save_activations: str | None = None  # jaxmx.SAVE_FORMATS: blocks' saved inputs in 8/12 bits
 
 
 RECIPES = (

@@ -1,5 +1,11 @@
 """A small decoder-only transformer in flax.nnx (pre-RMSNorm, learned positions, GELU MLP).
 
+With ``save_fmt`` (one of ``jaxmx.SAVE_FORMATS``) each block keeps the inputs of its norms, of the
+attention output's Linear and of the GELU quantized for the backward pass
+(``jaxmx.save_quantized``): ``norm1 -> qkv -> attention``, ``out``, ``norm2 -> up`` and
+``GELU -> down`` each save their input in that format and are recomputed from it in the backward
+pass (so the attention scores are not kept either).
+
 All linear layers are ``nnx.Linear``; :func:`jaxmx.flax.nnx.quantize_model` routes them through
 jaxmx. The token embedding and the output head (named ``embed`` / ``head``) stay in high precision.
 
@@ -51,9 +57,12 @@ class Attention(nnx.Module):
         return q[:, :, 0], k[:, :, 0], v[:, :, 0]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x)
-        y = self.attention_fn(q, k, v, is_causal=True)
-        return self.out(y.reshape(x.shape))
+        return self.out(self.mix(x))
+
+    def mix(self, x: jax.Array) -> jax.Array:
+        """The attention's output before its ``out`` Linear, ``[batch, t, d]``."""
+        y = self.attention_fn(*self._qkv(x), is_causal=True)
+        return y.reshape(x.shape)
 
     def decode(self, x: jax.Array, cache, index) -> tuple[jax.Array, object]:
         """``x [batch, t, d]`` at positions ``index .. index + t - 1``: writes its keys and
@@ -74,16 +83,38 @@ class MLP(nnx.Module):
         return self.down(jax.nn.gelu(self.up(x)))
 
 
+def saved_quantized(fmt: str | None, fn, modules, x: jax.Array) -> jax.Array:
+    """``fn(modules, x)``, with ``x`` kept in ``fmt`` for the backward pass
+    (``jaxmx.save_quantized``; the modules' parameters passed as arguments); ``None``: as is."""
+    if fmt is None:
+        return fn(modules, x)
+    graphdef, state = nnx.split(modules)
+
+    def pure(x, state):
+        return fn(nnx.merge(graphdef, state), x)
+
+    return jaxmx.save_quantized(pure, fmt)(x, state)
+
+
 class Block(nnx.Module):
-    def __init__(self, d_model: int, heads: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, heads: int, *, dtype, rngs: nnx.Rngs, save_fmt: str | None = None
+    ):
         self.norm1 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.attn = Attention(d_model, heads, dtype=dtype, rngs=rngs)
         self.norm2 = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.mlp = MLP(d_model, dtype=dtype, rngs=rngs)
+        self.save_fmt = save_fmt
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        if self.save_fmt is None:
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        fmt = self.save_fmt
+        y = saved_quantized(fmt, lambda m, x: m[1].mix(m[0](x)), (self.norm1, self.attn), x)
+        x = x + saved_quantized(fmt, lambda m, y: m(y), self.attn.out, y)
+        h = saved_quantized(fmt, lambda m, x: m[1](m[0](x)), (self.norm2, self.mlp.up), x)
+        return x + saved_quantized(fmt, lambda m, h: m.down(jax.nn.gelu(h)), self.mlp, h)
 
     def decode(self, x: jax.Array, cache, index) -> tuple[jax.Array, object]:
         """:meth:`__call__` at positions ``index ..`` with the block's KV cache."""
@@ -96,6 +127,8 @@ class Transformer(nnx.Module):
     """Decoder-only byte-level language model; returns float32 logits [batch, seq, vocab].
 
     ``dtype`` is the compute dtype (bfloat16 by default); parameters are float32 master weights.
+    ``save_fmt``: the format each block keeps its saved activations in (see the module), or
+    ``None`` (default): as autodiff keeps them.
     """
 
     def __init__(
@@ -108,12 +141,16 @@ class Transformer(nnx.Module):
         *,
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
+        save_fmt: str | None = None,
     ):
         init = nnx.initializers.normal(0.02)
         self.embed = nnx.Embed(vocab, d_model, dtype=dtype, embedding_init=init, rngs=rngs)
         self.pos_embed = nnx.Param(init(rngs.params(), (seq_len, d_model), jnp.float32))
         self.blocks = nnx.List(
-            [Block(d_model, heads, dtype=dtype, rngs=rngs) for _ in range(layers)]
+            [
+                Block(d_model, heads, dtype=dtype, rngs=rngs, save_fmt=save_fmt)
+                for _ in range(layers)
+            ]
         )
         self.norm = nnx.RMSNorm(d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab, use_bias=False, dtype=dtype, rngs=rngs)

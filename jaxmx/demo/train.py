@@ -82,7 +82,13 @@ def build_model(cfg: Config, recipe=None, attention: bool = False) -> Transforme
     those of the last ``cfg.keep_last`` blocks (kept in BF16), and with ``attention`` its
     attention products (``QK^T``, ``PV``) too."""
     model = Transformer(
-        data.VOCAB, cfg.d_model, cfg.layers, cfg.heads, cfg.seq_len, rngs=nnx.Rngs(cfg.seed)
+        data.VOCAB,
+        cfg.d_model,
+        cfg.layers,
+        cfg.heads,
+        cfg.seq_len,
+        rngs=nnx.Rngs(cfg.seed),
+        save_fmt=cfg.save_activations,
     )
     if recipe is not None:
         quantize_model(model, recipe, keep_last=cfg.keep_last)

@@ -4,7 +4,9 @@ The OCP MX formats (32-element blocks, E8M0 power-of-two scales: MXFP8, MXFP6, M
 the block-FP8 formats of
 DeepSeek-V3's recipe (128-element blocks or 128x128 tiles, float32 scales) and NVFP4 (E2M1 in
 16-element blocks, E4M3 block scales and one float32 scale per tensor), and FP8 with one float32
-scale per tensor or per row (torchao's tensorwise and axiswise current scaling).
+scale per tensor or per row (torchao's tensorwise and axiswise current scaling). One storage-only
+format: DeepSeek-V3's E5M6 (12-bit codes in ``uint16``, power-of-two scales per 128 elements), for
+activations saved for the backward pass, never a GEMM operand.
 
 Example:
     >>> from jaxmx._src.core.formats import get_format
@@ -46,7 +48,8 @@ class ScaleKind:
     modes: tuple[str, ...]
     # a float32 scale per tensor sits above the block scales (NVFP4)
     tensor_scale: bool = False
-    # every block scale is a power of two (E8M0): values are codes times 2^e, exactly
+    # every block scale is an E8M0 power of two: values are codes times 2^e, exactly (the MX
+    # kind; float32 scales that happen to be powers of two do not set it)
     pow2: bool = False
     # every value ``code * block scale`` is exact in float32 (not so for float32 scales)
     exact_products: bool = True
@@ -83,6 +86,13 @@ class Format:
         pow2_twin: for a format whose power-of-two scaled arrays are also arrays of another
             format with the same codes (block FP8 with ``"pow2"`` scales as MXFP8 in 32-blocks),
             that format's name; else ``None``.
+        code_bits: the width of a float element held in the low bits of a wider integer
+            ``dtype`` with no ml_dtypes type of its own (E5M6: 12 bits in ``uint16``), else
+            ``None``. Such elements are IEEE-like: subnormals, and the all-ones exponent holds
+            inf (mantissa zero) and NaN (the rest).
+        gemm_operand: ``False`` for a storage-only format (E5M6): ``quantize`` and
+            ``dequantize`` take it, every GEMM and recipe refuses it by name
+            (:func:`check_gemm_operand`).
     """
 
     name: str
@@ -97,6 +107,8 @@ class Format:
     gemm: str | None = None
     span: str = "block"
     pow2_twin: str | None = None
+    code_bits: int | None = None
+    gemm_operand: bool = True
 
     def __post_init__(self):
         if self.span not in SPANS:
@@ -136,7 +148,7 @@ class Format:
     @property
     def is_integer(self) -> bool:
         """Whether elements are two's-complement integers (MXINT8: ``code * 2^-mbits``)."""
-        return bool(jnp.issubdtype(self.elements, jnp.integer))
+        return self.code_bits is None and bool(jnp.issubdtype(self.elements, jnp.integer))
 
     @property
     def is_fp8(self) -> bool:
@@ -150,16 +162,25 @@ class Format:
         return not self.is_integer and self.storage_bits == 8
 
     @property
+    def word_coded(self) -> bool:
+        """Whether elements are floats held in the low bits of a 16-bit integer (E5M6 in
+        ``uint16``): encoded and decoded by integer arithmetic on their bits."""
+        return self.code_bits is not None and self.storage_bits == 16
+
+    @property
     def has_inf(self) -> bool:
         """Whether the element format has infinities (IEEE-style specials: E5M2)."""
         if self.is_integer:
             return False
+        if self.code_bits is not None:
+            return True
         return bool(np.isinf(np.array(np.inf).astype(self.elements)))
 
     @property
     def bits(self) -> int:
-        """Bits per element (6 for FP6, stored in 8: see :attr:`storage_bits`)."""
-        return _bits(self.elements)
+        """Bits per element (6 for FP6, stored in 8; 12 for E5M6, stored in 16: see
+        :attr:`storage_bits`)."""
+        return self.code_bits if self.code_bits is not None else _bits(self.elements)
 
     @property
     def storage_bits(self) -> int:
@@ -229,7 +250,16 @@ FLOAT32_CURRENT_SCALES = ScaleKind(
     modes=CURRENT_SCALE_MODES,
     exact_products=False,
 )
-SCALE_KINDS = (E8M0_SCALES, FLOAT32_SCALES, E4M3_SCALES_TENSOR_SCALED, FLOAT32_CURRENT_SCALES)
+FLOAT32_POW2_SCALES = ScaleKind(name="float32_pow2", dtype=jnp.dtype(jnp.float32), modes=("pow2",))
+"""Power-of-two scales held as float32, by block FP8's ``"pow2"`` rule (its only rule): E5M6's
+scales. Every ``code * scale`` is exact in float32 (12-bit codes, scales at least 2^-127)."""
+SCALE_KINDS = (
+    E8M0_SCALES,
+    FLOAT32_SCALES,
+    E4M3_SCALES_TENSOR_SCALED,
+    FLOAT32_CURRENT_SCALES,
+    FLOAT32_POW2_SCALES,
+)
 """Every scale kind, one object each."""
 
 _E4M3_ELEMENTS = dict(dtype=jnp.dtype(jnp.float8_e4m3fn), elem_max=448.0, emax=8, mbits=3, emin=-6)
@@ -252,6 +282,11 @@ _E3M2_ELEMENTS = dict(
     emax=4,
     mbits=2,
     emin=-2,
+)
+# DeepSeek-V3's E5M6: 1 sign, 5 exponent (bias 15), 6 mantissa bits, IEEE-like (inf and NaN in
+# the all-ones exponent), largest finite (2 - 2^-6) * 2^15; 12-bit codes in the low bits of uint16
+_E5M6_ELEMENTS = dict(
+    dtype=jnp.dtype(jnp.uint16), code_bits=12, elem_max=65024.0, emax=15, mbits=6, emin=-14
 )
 # MXINT8 as Microsoft's microxcaling implements it: int8 codes times 2^-6, symmetric +-127
 _INT8_ELEMENTS = dict(dtype=jnp.dtype(jnp.int8), elem_max=127 / 64, emax=0, mbits=6, emin=0)
@@ -300,6 +335,13 @@ FORMATS: dict[str, Format] = {
             for span in ("tensor", "row")
             for elements, facts in (("e4m3", _E4M3_ELEMENTS), ("e5m2", _E5M2_ELEMENTS))
         ),
+        Format(
+            name="e5m6_block",
+            **_E5M6_ELEMENTS,
+            block=128,
+            scale_kind=FLOAT32_POW2_SCALES,
+            gemm_operand=False,
+        ),
     )
 }
 """Every format jaxmx knows, by name. Adding one: an entry here, of an existing
@@ -314,6 +356,23 @@ def formats_of(*, gemm: str) -> tuple[str, ...]:
         ('fp8_e4m3_block', 'fp8_e5m2_block')
     """
     return tuple(name for name, f in FORMATS.items() if f.gemm == gemm)
+
+
+def check_gemm_operand(f: Format, where: str) -> Format:
+    """``f`` if a GEMM takes it as an operand, else a ValueError naming it and ``where``.
+
+    Example:
+        >>> check_gemm_operand(get_format("mxfp8_e4m3"), "Recipe.fwd").name
+        'mxfp8_e4m3'
+        >>> get_format("e5m6_block").gemm_operand  # check_gemm_operand raises for it
+        False
+    """
+    if not f.gemm_operand:
+        raise ValueError(
+            f"{where}: {f.name} is a storage-only format (activations saved for the backward "
+            "pass: jaxmx.save_quantized), not a GEMM operand"
+        )
+    return f
 
 
 def get_format(fmt: str | Format) -> Format:

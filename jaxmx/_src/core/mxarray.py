@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxmx._src.core import dtypes
 from jaxmx._src.core.blocks import format_scale_shape, padded_shape
-from jaxmx._src.core.formats import Format, get_format
+from jaxmx._src.core.formats import Format, check_gemm_operand, get_format
 
 
 def register_pytree(cls):
@@ -210,7 +210,10 @@ def untiled(q: MXArray) -> MXArray:
 
 
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
-    """Two checked GEMM operands, each blocked along K: the same K and the same batch dims."""
+    """Two checked GEMM operands, each blocked along K, in formats a GEMM takes: the same K and
+    the same batch dims."""
+    check_gemm_operand(a.format, f"{where}: a")
+    check_gemm_operand(b.format, f"{where}: b")
     if a.shape[a.axis] != b.shape[b.axis]:
         raise ValueError(
             f"{where}: contracting sizes differ: a has K = {a.shape[a.axis]}, b has "

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from jaxmx._src.core.formats import Format, check_scale_mode, get_format
+from jaxmx._src.core.formats import Format, check_gemm_operand, check_scale_mode, get_format
 
 BACKENDS = ("auto", "emulate", "ffi", "xla")
 """The values of ``backend=`` / ``Recipe.backend``."""
@@ -127,7 +127,8 @@ class Recipe:
     wgrad: str = "quantized"
 
     def __post_init__(self):
-        fwd, grad = get_format(self.fwd), get_format(self.grad)
+        fwd = check_gemm_operand(get_format(self.fwd), "Recipe.fwd")
+        grad = check_gemm_operand(get_format(self.grad), "Recipe.grad")
         check_scale_mode(self.scale_mode, fwd)
         check_scale_mode(self.scale_mode, grad)
         _check_choice("wgrad", self.wgrad, WGRADS)

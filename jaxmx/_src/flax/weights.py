@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core.checks import normalize_axis
-from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.formats import check_gemm_operand, get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.flax.rules import Conversion, Rule
 from jaxmx._src.gemm.matmul import matmul
@@ -57,7 +57,8 @@ class WeightStorage:
     activations: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "fmt", get_format(self.fmt).name)
+        f = check_gemm_operand(get_format(self.fmt), "WeightStorage.fmt")
+        object.__setattr__(self, "fmt", f.name)
         if self.tile is not None:
             tile = tuple(self.tile) if isinstance(self.tile, (tuple, list)) else None
             if (

@@ -24,6 +24,8 @@ def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
     if f.byte_coded:
         code = bits.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits)
         return bits.from_bytes(code, f.dtype)
+    if f.word_coded:
+        return bits.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits, out_dtype=f.dtype)
     if f.is_integer:
         return integer_codes(values if on_grid else to_grid(values, f), f)
     return values.astype(f.dtype)
@@ -62,6 +64,8 @@ def decode_elements(data: jax.Array, f: Format) -> jax.Array:
     if f.byte_coded:
         code = bits.as_bytes(data)
         return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits)
+    if f.word_coded:
+        return bits.decode_fp8(data, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits)
     if f.is_integer:
         return data.astype(jnp.float32) * 2.0**-f.mbits
     return data.astype(jnp.float32)

@@ -170,7 +170,13 @@ def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | No
 
 
 def _check_pallas_format(f: Format, where: str) -> None:
-    """The Pallas kernels cover formats in blocks and tiles, not per-tensor or per-row scales."""
+    """The Pallas kernels cover formats in blocks and tiles, not per-tensor or per-row scales,
+    nor codes wider than a byte (E5M6)."""
+    if f.word_coded:
+        raise NotImplementedError(
+            f"{where}: impl='pallas' has no kernel for {f.name} ({f.bits}-bit codes in "
+            f"{f.dtype}); use impl='xla' or 'auto'"
+        )
     if f.span != "block":
         raise NotImplementedError(
             f"{where}: impl='pallas' has no kernel for {f.name} (one scale per {f.span}); use "

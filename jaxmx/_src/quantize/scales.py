@@ -321,6 +321,7 @@ RULES = {
     "float32": _Float32Rule(),
     "e4m3": _TensorScaledE4M3Rule(),
     "float32_current": _CurrentRule(),
+    "float32_pow2": _Float32Rule(),
 }
 """The rules of each :class:`~jaxmx._src.core.formats.ScaleKind`, by its name."""
 

@@ -40,7 +40,7 @@ def describe(cache) -> str:
 def checked_format(fmt) -> Format:
     """The :class:`Format` a cache holds, by name: a block-scaled one (a ValueError naming the
     formats the cache takes otherwise)."""
-    blocked = sorted(name for name, g in FORMATS.items() if g.span == "block")
+    blocked = sorted(name for name, g in FORMATS.items() if g.span == "block" and g.gemm_operand)
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(
             f"KVCache.create: unknown fmt {fmt!r}; the cache holds one of jaxmx's block-scaled "
@@ -51,6 +51,11 @@ def checked_format(fmt) -> Format:
         raise ValueError(
             f"KVCache.create: fmt {fmt!r} has one scale per {f.span}, which tokens written a "
             f"step at a time cannot share; the cache takes a block-scaled format: {blocked}"
+        )
+    if not f.gemm_operand:
+        raise ValueError(
+            f"KVCache.create: fmt {fmt!r} is a storage-only format (no GEMM takes it, and "
+            f"attention reads the cache through one); the cache takes one of {blocked}"
         )
     return f
 

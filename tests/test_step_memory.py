@@ -9,6 +9,8 @@ bfloat16 or passed as they are, unrolled or under ``lax.scan``).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -120,3 +122,30 @@ def test_mxfp8_step_needs_no_more_temp_than_bf16(temps):
 
 def test_eight_bit_remat_needs_less_temp_than_bf16_dots_saveable(temps):
     assert temps["mx 8-bit"] < temps["bf16 dots"], temps
+
+
+# (recipe, loop, masters) whose step, without remat, needs no more temporaries than bf16's
+# (docs/benchmarks.md, "Training-step memory", lists every setup, these and the others).
+HOLDS = [
+    *[(r, "unrolled", m) for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE") for m in ("cast", "f32")],
+    ("FP8_ROWWISE", "unrolled", "f32"),
+    *[
+        (r, "scan", "cast")
+        for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "DEEPSEEK_FP8", "NVFP4")
+    ],
+]
+_LOOPS = {"unrolled": _mlp_temp, "scan": _scanned_mlp_temp}
+
+
+@pytest.fixture(scope="module")
+def bf16_temps():
+    return {loop: temp(None, None) for loop, temp in _LOOPS.items()}
+
+
+@pytest.mark.parametrize(("name", "loop", "masters"), HOLDS)
+def test_recipe_step_needs_no_more_temp_than_bf16(name, loop, masters, bf16_temps):
+    recipe = getattr(jaxmx.recipes, name)
+    stochastic = recipe.grad_rounding == "stochastic"
+    with jaxmx.stochastic_rounding(jax.random.key(1)) if stochastic else contextlib.nullcontext():
+        temp = _LOOPS[loop](recipe, None, masters)
+    assert temp <= bf16_temps[loop], (temp, bf16_temps[loop])

@@ -165,7 +165,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--recipes", nargs="*", default=RECIPES)
-    parser.add_argument("--models", nargs="*", default=("mlp", "demo"))
+    parser.add_argument("--models", nargs="*", choices=("mlp", "demo"), default=("mlp", "demo"))
     parser.add_argument(
         "--loop", nargs="*", choices=("unrolled", "scan"), default=("unrolled", "scan")
     )

@@ -14,6 +14,9 @@
   tiles, 1x128 blocks, MX 32-blocks, NVFP4 16-blocks) and recommends the coarsest that keeps
   underflow within a budget; :func:`advise` does it for every GEMM leg of a training step, and
   :func:`advised_recipes` turns its advice into ``quantize_model``'s per-layer recipes.
+- :func:`memory_report` compiles a training step and reports its parameters', gradients',
+  optimizer state's, saved activations' and temporaries' bytes beside a baseline step's
+  (docs/memory_report.md).
 - :func:`collective_bytes` reads a compiled SPMD program's collectives (all-gather, all-reduce,
   reduce-scatter, all-to-all) and the bytes each moves, by dtype: what crosses the wire in 8 bits.
 
@@ -42,6 +45,7 @@ from jaxmx._src.diagnostics.granularity import (
     advised_recipes,
     granularity,
 )
+from jaxmx._src.diagnostics.memory import KINDS, MemoryReport, memory_report
 from jaxmx._src.diagnostics.telemetry import (
     LEGS,
     ForwardLegs,
@@ -60,6 +64,7 @@ from jaxmx._src.training.scope import named
 __all__ = [
     "COLLECTIVES",
     "ELEMENTS",
+    "KINDS",
     "LEGS",
     "LEVELS",
     "LEVEL_RECIPES",
@@ -73,6 +78,7 @@ __all__ = [
     "LayerAdvice",
     "LegStats",
     "LevelStats",
+    "MemoryReport",
     "Recommendation",
     "Telemetry",
     "advise",
@@ -84,6 +90,7 @@ __all__ = [
     "gemm_taps",
     "granularity",
     "leg_stats",
+    "memory_report",
     "named",
     "telemetry",
     "telemetry_report",

@@ -1,11 +1,15 @@
-"""Peak temporary memory of a jitted MXFP8 training step against the bfloat16 step.
+"""Peak temporary memory of a jitted training step of each recipe against the bfloat16 step.
 
 ``compiled.memory_analysis().temp_size_in_bytes`` of one-device steps (benchmarks/step_memory.py
 at small shapes): the MXFP8 step needs no more than the bfloat16 one, and with each block under
-jaxmx's 8-bit-residual remat policy less than bfloat16 under ``dots_saveable``.
+jaxmx's 8-bit-residual remat policy less than bfloat16 under ``dots_saveable``; the recipes of
+``HOLDS`` need no more than bfloat16 in each MLP setup listed there (float32 masters cast to
+bfloat16 or passed as they are, unrolled or under ``lax.scan``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +26,15 @@ EIGHT_BIT = jax.checkpoint_policies.save_only_these_names(jaxmx.LHS_COLWISE, jax
 _NT = (((1,), (0,)), ((), ()))
 
 
-def _dense(h, w, recipe):
-    w = w.astype(jnp.bfloat16)
+def _dense(h, w, recipe, masters="cast"):
+    if recipe is None or masters == "cast":
+        w = w.astype(jnp.bfloat16)
     if recipe is None:
         return lax.dot_general(h, w, _NT, preferred_element_type=jnp.bfloat16)
-    return jaxmx.dot_general(h, w, _NT, recipe=recipe)
+    return jaxmx.dot_general(h, w, _NT, recipe=recipe, preferred_element_type=jnp.bfloat16)
 
 
-def _mlp_temp(recipe, policy) -> int:
+def _mlp_temp(recipe, policy, masters="cast") -> int:
     """Two blocks ``Dense(1024) -> GELU -> Dense(256)`` on x [256, 256] bf16, f32 weights."""
     keys = jax.random.split(jax.random.key(0), 6)
     dims = (256, 1024, 256, 1024, 256)
@@ -41,7 +46,8 @@ def _mlp_temp(recipe, policy) -> int:
     y = jax.random.normal(keys[5], (256, 256))
 
     def block(w_up, w_down, h):
-        return _dense(jax.nn.gelu(_dense(h, w_up, recipe)), w_down, recipe)
+        up = _dense(h, w_up, recipe, masters)
+        return _dense(jax.nn.gelu(up), w_down, recipe, masters)
 
     def loss(params, x, y):
         h = x
@@ -54,7 +60,7 @@ def _mlp_temp(recipe, policy) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def _scanned_mlp_temp(recipe, policy) -> int:
+def _scanned_mlp_temp(recipe, policy, masters="cast") -> int:
     """:func:`_mlp_temp`'s blocks under ``lax.scan`` (stacked weights)."""
     keys = jax.random.split(jax.random.key(0), 4)
     w_up = jax.random.normal(keys[0], (2, 256, 1024)) * 256**-0.5
@@ -63,7 +69,8 @@ def _scanned_mlp_temp(recipe, policy) -> int:
     y = jax.random.normal(keys[3], (256, 256))
 
     def block(h, ws):
-        return _dense(jax.nn.gelu(_dense(h, ws[0], recipe)), ws[1], recipe), None
+        up = _dense(h, ws[0], recipe, masters)
+        return _dense(jax.nn.gelu(up), ws[1], recipe, masters), None
 
     body = jax.checkpoint(block, policy=policy) if policy else block
 
@@ -115,3 +122,30 @@ def test_mxfp8_step_needs_no_more_temp_than_bf16(temps):
 
 def test_eight_bit_remat_needs_less_temp_than_bf16_dots_saveable(temps):
     assert temps["mx 8-bit"] < temps["bf16 dots"], temps
+
+
+# (recipe, loop, masters) whose step, without remat, needs no more temporaries than bf16's
+# (docs/benchmarks.md, "Training-step memory", lists every setup, these and the others).
+HOLDS = [
+    *[(r, "unrolled", m) for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE") for m in ("cast", "f32")],
+    ("FP8_ROWWISE", "unrolled", "f32"),
+    *[
+        (r, "scan", "cast")
+        for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "DEEPSEEK_FP8", "NVFP4")
+    ],
+]
+_LOOPS = {"unrolled": _mlp_temp, "scan": _scanned_mlp_temp}
+
+
+@pytest.fixture(scope="module")
+def bf16_temps():
+    return {loop: temp(None, None) for loop, temp in _LOOPS.items()}
+
+
+@pytest.mark.parametrize(("name", "loop", "masters"), HOLDS)
+def test_recipe_step_needs_no_more_temp_than_bf16(name, loop, masters, bf16_temps):
+    recipe = getattr(jaxmx.recipes, name)
+    stochastic = recipe.grad_rounding == "stochastic"
+    with jaxmx.stochastic_rounding(jax.random.key(1)) if stochastic else contextlib.nullcontext():
+        temp = _LOOPS[loop](recipe, None, masters)
+    assert temp <= bf16_temps[loop], (temp, bf16_temps[loop])

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -391,7 +392,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     # would evaluate its quantization while compiling, element by element (slow, and an alarm).
     g = lax.optimization_barrier(g.reshape(static.gemm_shape))
     if r.residuals == "quantized":
-        w_col = mx_from_bits(w_saved)
+        w_col = mx_from_bits(_after(w_saved, g))
     else:
         w = from_bits(w_saved, static.rhs_dtype)
         along_n = _weight_axes(static)[1]
@@ -399,7 +400,7 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
     if r.wgrad == "high_precision":
         x_col = from_bits(x_saved, static.lhs_dtype)
     elif r.residuals == "quantized":
-        x_col = mx_from_bits(x_saved)
+        x_col = mx_from_bits(_after(x_saved, g))
     else:
         x_col = _Operand(_wgrad_input(from_bits(x_saved, static.lhs_dtype), r), r.fwd, -2)
     if r.weight_tile:  # the forward's tiled weight [B, N, K], transposed: [B, K, N] along N
@@ -418,6 +419,22 @@ def _mx_bmm_bwd(static: _Static, residuals, g):
         dw = _gemm(r, g_wgrad, x_col, static.rhs_dtype, like=w_like)  # [B, N, K], reduces M
     tap_ct = _observed_gradient(static, g_row, g_col)
     return _vma_like(dx, x_saved), _vma_like(dw, w_saved), None, tap_ct
+
+
+def _after(saved: MXBits, g) -> MXBits:
+    """``saved`` unchanged, its scales made to depend on the output gradient ``g``
+    (``min(s, s | b) == s`` for unsigned ``s``, ``b`` bits of one element of ``g``), so that
+    the scheduler decodes a residual in the backward pass where it is used, not as soon as its
+    inputs exist (a weight's decode depends on the weight only and would otherwise run, and be
+    held, from the start of the step)."""
+    scale = saved.scale
+    if g.size == 0:  # nothing to decode
+        return saved
+    unsigned = jnp.dtype(f"uint{8 * scale.dtype.itemsize}")
+    s = lax.bitcast_convert_type(scale, unsigned)
+    bits = lax.bitcast_convert_type(g[(0,) * g.ndim].astype(jnp.float32), jnp.uint32)
+    s = jnp.minimum(s, s | bits.astype(unsigned))
+    return dataclasses.replace(saved, scale=lax.bitcast_convert_type(s, scale.dtype))
 
 
 def _gradient_copies(r: Recipe, g_row: _Operand, g_col: _Operand):

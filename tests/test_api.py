@@ -1,8 +1,11 @@
 """The public surface: public modules import, and every ``jaxmx.…`` name in the docs resolves."""
 
+import ast
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -87,3 +90,38 @@ def test_one_version_string():
 def test_renamed_ffi_names_keep_their_old_names(old, new):
     assert getattr(jaxmx.ffi, old) is getattr(jaxmx.ffi, new)
     assert {old, new} <= set(jaxmx.ffi.__all__)
+
+
+def test_import_jaxmx_loads_no_jax_until_a_name_is_used():
+    code = (
+        "import sys, jaxmx\n"
+        "assert 'jax' not in sys.modules, 'import jaxmx'\n"
+        "from jaxmx import FORMATS, BACKENDS, SAVE_FORMATS\n"
+        "assert 'jax' not in sys.modules, 'the format and backend names'\n"
+        "assert callable(jaxmx.quantize) and 'jax' in sys.modules\n"
+        "assert jaxmx.__dict__['quantize'] is jaxmx.quantize  # kept after the first use\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_lazy_names_are_the_type_checking_imports_and_all():
+    """Each public name loads from the module its ``TYPE_CHECKING`` import (what type checkers
+    and the layer test read) names, and ``__all__`` lists exactly those names."""
+    tree = ast.parse(pathlib.Path(jaxmx.__file__).read_text())
+    block = next(
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    imported = {alias.name: node.module for node in block.body for alias in node.names}
+    submodules = {n for n, m in imported.items() if m == "jaxmx"}
+    assert submodules == set(jaxmx._SUBMODULES)
+    assert {n: m for n, m in imported.items() if m != "jaxmx"} == jaxmx._SOURCES
+    assert set(jaxmx.__all__) == {*imported, "__version__"}
+    assert set(jaxmx.__all__) <= set(dir(jaxmx))
+
+
+def test_an_unknown_top_level_name_is_the_usual_attribute_error():
+    with pytest.raises(AttributeError, match=r"^module 'jaxmx' has no attribute 'quantise'$"):
+        jaxmx.quantise  # noqa: B018
+    with pytest.raises(ImportError, match="cannot import name 'quantise' from 'jaxmx'"):
+        from jaxmx import quantise  # noqa: F401

@@ -368,23 +368,32 @@ def test_the_flag_tables_of_docs_demo_match_help(after, parser):
     assert _flag_table(after) == flags - {"--help"}
 
 
-def test_help_answers_before_the_training_modules_load():
-    """``python -m jaxmx.demo --help`` parses with argparse before flax, optax, orbax and
-    matplotlib load (jax itself loads with the ``jaxmx`` package, the parent of ``jaxmx.demo``)."""
-    heavy = ("flax", "optax", "orbax", "matplotlib", "tqdm", "jaxmx.demo.train")
+def test_help_and_a_bad_flag_answer_before_jax_and_the_training_modules_load():
+    """``python -m jaxmx.demo --help`` (and a bad flag) parses with argparse before jax, flax,
+    optax, orbax and matplotlib load: ``import jaxmx`` loads each public name on first use, and
+    the command line reads only the format, backend and recipe names."""
+    heavy = ("jax", "jaxlib", "flax", "optax", "orbax", "matplotlib", "tqdm", "jaxmx.demo.train")
     code = (
         "import runpy, sys\n"
         "sys.argv = ['jaxmx.demo', *sys.argv[1:]]\n"
         "try:\n"
         "    runpy.run_module('jaxmx.demo', run_name='__main__', alter_sys=True)\n"
         "except SystemExit as e:\n"
-        "    assert e.code == 0, e.code\n"
+        "    print('exit:', e.code)\n"
         f"print('loaded:', sorted(m for m in {heavy!r} if m in sys.modules))\n"
     )
-    for argv in (["--help"], ["generate", "--help"]):
+    for argv, status in (
+        (["--help"], 0),
+        (["generate", "--help"], 0),
+        (["--steps", "many"], 2),
+        (["generate", "--cache-fmt", "fp9"], 2),
+    ):
         done = subprocess.run(
             [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stderr
-        assert "usage: python -m jaxmx.demo" in done.stdout
-        assert done.stdout.strip().endswith("loaded: []"), done.stdout[-300:]
+        assert done.stdout.strip().endswith(f"exit: {status}\nloaded: []"), done.stdout[-300:]
+        if status:
+            assert "error: argument" in done.stderr, done.stderr
+        else:
+            assert "usage: python -m jaxmx.demo" in done.stdout

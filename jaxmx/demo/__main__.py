@@ -1,5 +1,5 @@
 """``python -m jaxmx.demo``: :mod:`jaxmx.demo.cli` reads the command line (argparse only, so that
-``--help`` and a bad flag answer before flax, optax and orbax load), then
+``--help`` and a bad flag answer before jax, flax, optax and orbax load), then
 :func:`jaxmx.demo.commands.main` runs it."""
 
 import sys

@@ -1,5 +1,6 @@
 """The demo's command line (argparse only): ``python -m jaxmx.demo`` parses it before it imports
-the training modules (flax, optax, orbax), so ``--help`` and a bad flag answer at once.
+the training modules (flax, optax, orbax), so ``--help`` and a bad flag answer at once. It reads
+only jaxmx's format, backend and saved-activation names, which load without JAX.
 
 Example:
     >>> parse(["--steps", "3"]).steps, parse(["generate", "--length", "5"]).length

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-E8M0 = jnp.dtype(jnp.float8_e8m0fnu)
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,7 +147,7 @@ class Format:
     @property
     def is_integer(self) -> bool:
         """Whether elements are two's-complement integers (MXINT8: ``code * 2^-mbits``)."""
-        return self.code_bits is None and bool(jnp.issubdtype(self.elements, jnp.integer))
+        return self.code_bits is None and bool(np.issubdtype(self.elements, np.integer))
 
     @property
     def is_fp8(self) -> bool:
@@ -190,9 +189,9 @@ class Format:
 
 def _bits(dtype) -> int:
     """The width of an integer or float dtype in bits."""
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.iinfo(dtype).bits
-    return jnp.finfo(dtype).bits
+    if np.issubdtype(dtype, np.integer):
+        return np.iinfo(dtype).bits
+    return ml_dtypes.finfo(dtype).bits
 
 
 SPANS = ("block", "row", "tensor")
@@ -239,18 +238,18 @@ NVFP4_SCALE_MODES = ("e4m3",)
 
 E8M0_SCALES = ScaleKind(name="e8m0", dtype=E8M0, modes=SCALE_MODES, pow2=True)
 FLOAT32_SCALES = ScaleKind(
-    name="float32", dtype=jnp.dtype(jnp.float32), modes=BLOCK_SCALE_MODES, exact_products=False
+    name="float32", dtype=np.dtype(np.float32), modes=BLOCK_SCALE_MODES, exact_products=False
 )
 E4M3_SCALES_TENSOR_SCALED = ScaleKind(
     name="e4m3", dtype=E4M3, modes=NVFP4_SCALE_MODES, tensor_scale=True
 )
 FLOAT32_CURRENT_SCALES = ScaleKind(
     name="float32_current",
-    dtype=jnp.dtype(jnp.float32),
+    dtype=np.dtype(np.float32),
     modes=CURRENT_SCALE_MODES,
     exact_products=False,
 )
-FLOAT32_POW2_SCALES = ScaleKind(name="float32_pow2", dtype=jnp.dtype(jnp.float32), modes=("pow2",))
+FLOAT32_POW2_SCALES = ScaleKind(name="float32_pow2", dtype=np.dtype(np.float32), modes=("pow2",))
 """Power-of-two scales held as float32, by block FP8's ``"pow2"`` rule (its only rule): E5M6's
 scales. Every ``code * scale`` is exact in float32 (12-bit codes, scales at least 2^-127)."""
 SCALE_KINDS = (
@@ -262,13 +261,17 @@ SCALE_KINDS = (
 )
 """Every scale kind, one object each."""
 
-_E4M3_ELEMENTS = dict(dtype=jnp.dtype(jnp.float8_e4m3fn), elem_max=448.0, emax=8, mbits=3, emin=-6)
-_E5M2_ELEMENTS = dict(
-    dtype=jnp.dtype(jnp.float8_e5m2), elem_max=57344.0, emax=15, mbits=2, emin=-14
+_E4M3_ELEMENTS = dict(
+    dtype=np.dtype(ml_dtypes.float8_e4m3fn), elem_max=448.0, emax=8, mbits=3, emin=-6
 )
-_E2M1_ELEMENTS = dict(dtype=jnp.dtype(jnp.float4_e2m1fn), elem_max=6.0, emax=2, mbits=1, emin=0)
+_E5M2_ELEMENTS = dict(
+    dtype=np.dtype(ml_dtypes.float8_e5m2), elem_max=57344.0, emax=15, mbits=2, emin=-14
+)
+_E2M1_ELEMENTS = dict(
+    dtype=np.dtype(ml_dtypes.float4_e2m1fn), elem_max=6.0, emax=2, mbits=1, emin=0
+)
 _E2M3_ELEMENTS = dict(
-    dtype=jnp.dtype(jnp.uint8),
+    dtype=np.dtype(np.uint8),
     element_dtype=np.dtype(ml_dtypes.float6_e2m3fn),
     elem_max=7.5,
     emax=2,
@@ -276,7 +279,7 @@ _E2M3_ELEMENTS = dict(
     emin=0,
 )
 _E3M2_ELEMENTS = dict(
-    dtype=jnp.dtype(jnp.uint8),
+    dtype=np.dtype(np.uint8),
     element_dtype=np.dtype(ml_dtypes.float6_e3m2fn),
     elem_max=28.0,
     emax=4,
@@ -286,10 +289,10 @@ _E3M2_ELEMENTS = dict(
 # DeepSeek-V3's E5M6: 1 sign, 5 exponent (bias 15), 6 mantissa bits, IEEE-like (inf and NaN in
 # the all-ones exponent), largest finite (2 - 2^-6) * 2^15; 12-bit codes in the low bits of uint16
 _E5M6_ELEMENTS = dict(
-    dtype=jnp.dtype(jnp.uint16), code_bits=12, elem_max=65024.0, emax=15, mbits=6, emin=-14
+    dtype=np.dtype(np.uint16), code_bits=12, elem_max=65024.0, emax=15, mbits=6, emin=-14
 )
 # MXINT8 as Microsoft's microxcaling implements it: int8 codes times 2^-6, symmetric +-127
-_INT8_ELEMENTS = dict(dtype=jnp.dtype(jnp.int8), elem_max=127 / 64, emax=0, mbits=6, emin=0)
+_INT8_ELEMENTS = dict(dtype=np.dtype(np.int8), elem_max=127 / 64, emax=0, mbits=6, emin=0)
 
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -346,6 +349,12 @@ FORMATS: dict[str, Format] = {
 }
 """Every format jaxmx knows, by name. Adding one: an entry here, of an existing
 :class:`ScaleKind` or of a new one (with its rules in :mod:`jaxmx._src.quantize.scales`)."""
+
+
+SAVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "fp8_e4m3_block", "fp8_e5m2_block", "e5m6_block")
+"""The formats ``jaxmx.save_quantized`` keeps inputs in: MXFP8 (E8M0 scale per 32), block FP8
+(float32 scale per 128) and E5M6 (12-bit codes packed two per three bytes, power-of-two scale
+per 128)."""
 
 
 def formats_of(*, gemm: str) -> tuple[str, ...]:

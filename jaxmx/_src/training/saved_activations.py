@@ -31,14 +31,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import FLOAT_DTYPES
-from jaxmx._src.core.formats import Format, check_scale_mode, get_format
+from jaxmx._src.core.formats import SAVE_FORMATS, Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.quantize.quantize import dequantize, quantize
-
-SAVE_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "fp8_e4m3_block", "fp8_e5m2_block", "e5m6_block")
-"""The formats :func:`save_quantized` keeps inputs in: MXFP8 (E8M0 scale per 32), block FP8
-(float32 scale per 128) and E5M6 (12-bit codes packed two per three bytes, power-of-two scale
-per 128)."""
 
 SAVED_QUANTIZED = "jaxmx_saved_quantized"
 """The ``checkpoint_name`` of the codes and scales :func:`save_quantized` keeps, for remat

@@ -2,11 +2,13 @@
 
 Every GEMM is checked against an exact float64 product of the decoded codes and scales (numpy and
 ml_dtypes): equal where every partial sum is exact in float32 (small-integer-valued operands),
-within float32 summation error otherwise; and against the emulation, bit for bit.
+within docs/native.md's bound otherwise (tests/bounds.py); and against the emulation, bit for
+bit.
 """
 
 from __future__ import annotations
 
+import bounds
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -59,13 +61,6 @@ def small_integers(key, shape, top):
     return jax.random.randint(key, shape, -top, top + 1).astype(jnp.float32)
 
 
-def summation_bound(a, b) -> np.ndarray:
-    """K * 2^-24 * sum |a_k b_k|: float32 summation error of each output element (operands in
-    the TN form)."""
-    av, bv = np.abs(decoded(a)), np.abs(decoded(b))
-    return a.shape[a.axis] * 2.0**-24 * (av @ bv.T)
-
-
 # --- the GEMM -------------------------------------------------------------------------------
 
 
@@ -103,8 +98,10 @@ def test_matmul_on_normal_inputs_within_float32_summation(formats):
             b.data[i], b.scale[i], b.fmt, 1, b.shape[1:], global_scale=b.global_scale
         )
         want = reference(ai, bi) * alpha(ai, bi)
-        bound = (summation_bound(ai, bi) + np.abs(want) * 2.0**-23) * alpha(ai, bi)
-        assert np.all(np.abs(got[i] - want) <= bound)
+        # docs/native.md's bound: float32 accumulation of the exact products, alpha's product
+        # among its further roundings, then the rounding to float32
+        abs_sum = bounds.abs_products(decoded(ai), decoded(bi)) * alpha(ai, bi)
+        bounds.assert_within(got[i], want, bounds.against_exact(abs_sum, 64, want), str(i))
     emulated = jaxmx.matmul(a, b, jnp.float32, backend="emulate")
     np.testing.assert_array_equal(got, np.asarray(emulated))
 

@@ -63,9 +63,11 @@ def gemm_bound(a, b, want):
     differ: twice docs/native.md's bound (tests/bounds.py) with ``sum_k |q(a)_k q(b)_k|``
     bounded from the operands before quantization, ``4 ||a_m|| ||b_n||`` (2-norms over K): every
     quantization here rounds to nearest on a float grid that holds 0 (and saturates), so
-    ``|q(v)| <= 2 |v|``; a random Hadamard transform along K keeps the 2-norm; Cauchy-Schwarz."""
+    ``|q(v)| <= 2 |v|``; a random Hadamard transform along K keeps the 2-norm; Cauchy-Schwarz.
+    The factor ``1 + 2^-16`` covers the float32 rounding of the decode and of the rotation."""
     a, b = (np.asarray(v, np.float64) for v in (a, b))
-    abs_sum = 4 * np.outer(np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1))
+    norms = np.outer(np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1))
+    abs_sum = 4 * (1 + 2.0**-16) * norms
     return bounds.between(abs_sum, a.shape[-1], np.asarray(want, np.float64))
 
 

@@ -16,10 +16,12 @@ blocks holding a nonzero element count, so an all-zero block at ``2^-127`` does 
 :func:`blockwise_matmul` is the exact path taken otherwise: one float32 dot per block of K
 (``sum`` over 32 elements of ``code_a * code_b``, exact products), each multiplied by
 ``2^(e_a + e_b)`` on the float32 bits with one rounding (overflow to ``inf``), summed in
-float32 over the blocks. Terms below ``2^-60`` are summed apart, scaled by ``2^100``, and added
-back with one rounding at the end, so that a result in float32's subnormal range is kept (XLA:CPU
-flushes subnormal sums): with one block of K, or terms that are all that small, it is the
-float32 sum rounded once.
+float32 over the blocks in a frame that follows the largest nonzero term so far (the running
+sum is moved, exactly, when a later block's exponent is larger), and rounded once when the frame
+is applied at the end. Every partial sum then lies below ``2^37`` times the number of blocks (no
+intermediate overflow: a result past float32's range is ``inf`` of the exact sum's sign), and
+what a partial sum flushes lies below ``2^-126`` of the frame, at most ``2^-94`` of the largest
+product's magnitude. With one block of K it is the float32 dot rounded once.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -75,8 +77,7 @@ def needs_check(a: MXArray | GridArray, b: MXArray | GridArray) -> bool:
     return pow2 and a.scale.shape[a.data_axis] > 0
 
 
-_SMALL_SHIFT = 100
-_SMALL_BELOW = 60
+_NO_TERM = -(2**20)  # the frame exponent of an entry no nonzero block product has reached yet
 
 
 @jax.jit
@@ -84,34 +85,32 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
     """float32 ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` (NVFP4's tensor scales
     left out) from one dot per block of K, each rescaled exactly: see the module docstring.
     Operands as for :func:`~jaxmx._src.gemm.emulate.emulated_matmul`, with at least one block
-    of K."""
-    a_values, a_exponent = _tn_blocks(a)
-    b_values, b_exponent = _tn_blocks(b)
-    batch = tuple(range(a_values.ndim - 3))
+    of K; either may be blocked along its last axis or (K-first) along the one before."""
+    a_values, a_exponent = _blocks(a)
+    b_values, b_exponent = _blocks(b)
+    a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked values and of the exponents
+    batch = tuple(range(a.data.ndim - 2))
+    dims = (((a_kb,), (b_kb,)), (batch, batch))  # the block's elements sit where KB was
 
-    def terms(a_block, b_block, a_e, b_e):  # [..., M, block], [..., N, block], [..., M], [..., N]
-        block_dims = (((a_block.ndim - 1,), (b_block.ndim - 1,)), (batch, batch))
-        out = lax.dot_general(a_block, b_block, block_dims, preferred_element_type=jnp.float32)
-        shift = a_e[..., :, None] + b_e[..., None, :]
-        # out is 0, non-finite or a normal float32 (a sum of multiples of 2^-32): its exponent
-        exponent = ((bits.to_bits(out) >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
-        tiny = exponent + shift < -_SMALL_BELOW
-        term = bits.ldexp_rounded(out, shift + bits.where(tiny, _SMALL_SHIFT, 0))
-        return bits.where(tiny, 0.0, term), bits.where(tiny, term, 0.0)
+    def block(i):  # the float32 dot of block i of K and its exponent 2^(e_a + e_b) [..., M, N]
+        a_block = lax.dynamic_index_in_dim(a_values, i, a_kb, keepdims=False)
+        b_block = lax.dynamic_index_in_dim(b_values, i, b_kb, keepdims=False)
+        out = lax.dot_general(a_block, b_block, dims, preferred_element_type=jnp.float32)
+        a_e = lax.dynamic_index_in_dim(a_exponent, i, a_kb, keepdims=False)
+        b_e = lax.dynamic_index_in_dim(b_exponent, i, b_kb, keepdims=False)
+        return out, a_e[..., :, None] + b_e[..., None, :]
 
-    def step(sums, blocks):
-        big, small = terms(*blocks)
-        return (sums[0] + big, sums[1] + small), None
+    def step(i, carry):  # carry: the sum so far as ``total * 2^frame``
+        total, frame = carry
+        out, exponent = block(i)
+        new_frame = jnp.maximum(frame, bits.where(out != 0, exponent, _NO_TERM))
+        moved = bits.ldexp_rounded(total, frame - new_frame)
+        return moved + bits.ldexp_rounded(out, exponent - new_frame), new_frame
 
-    a_steps = jnp.moveaxis(a_values, -2, 0)
-    b_steps = jnp.moveaxis(b_values, -2, 0)
-    a_e_steps = jnp.moveaxis(a_exponent, -1, 0)
-    b_e_steps = jnp.moveaxis(b_exponent, -1, 0)
-    first = terms(a_steps[0], b_steps[0], a_e_steps[0], b_e_steps[0])
-    rest = (a_steps[1:], b_steps[1:], a_e_steps[1:], b_e_steps[1:])
-    (big, small), _ = lax.scan(step, first, rest)
-    small = bits.ldexp_rounded(small, -_SMALL_SHIFT)
-    return bits.where(big == 0, small, big + small)
+    out, exponent = block(0)
+    first = (out, bits.where(out != 0, exponent, _NO_TERM))
+    total, frame = lax.fori_loop(1, a.scale.shape[a_kb], step, first)
+    return bits.ldexp_rounded(total, frame)
 
 
 def _blocked(q, values: jax.Array) -> jax.Array:
@@ -120,10 +119,10 @@ def _blocked(q, values: jax.Array) -> jax.Array:
     return values.reshape(*data.shape[:k], q.scale.shape[k], f.block, *data.shape[k + 1 :])
 
 
-def _tn_blocks(q) -> tuple[jax.Array, jax.Array]:
-    """(unscaled values [..., rows, KB, block] bfloat16, block exponents [..., rows, KB] int32)
-    of ``q``: E8M0 operands as element values (NaN under a NaN scale) and their scales' exponents;
-    NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
+def _blocks(q) -> tuple[jax.Array, jax.Array]:
+    """(unscaled values bfloat16, blocked as :func:`_blocked`; block exponents int32 shaped like
+    ``q.scale``) of ``q``: E8M0 operands as element values (NaN under a NaN scale) and their
+    scales' exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
     f, k = q.format, q.data_axis
     values = _blocked(q, element_values(q))
     if f.scale_kind.pow2:
@@ -139,7 +138,4 @@ def _tn_blocks(q) -> tuple[jax.Array, jax.Array]:
             jnp.int32, shape, k + 1
         )
         values = bits.where(index < q.shape[q.axis], values, 0)
-    if k == q.data.ndim - 2:  # [..., KB, block, rows] -> [..., rows, KB, block]
-        values = jnp.moveaxis(values, -1, -3)
-        exponent = jnp.swapaxes(exponent, -1, -2)
     return values.astype(jnp.bfloat16), exponent

@@ -43,6 +43,7 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize.codec import scale_exponent_bytes
 from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import relative_exponents, rule_of
 
@@ -60,7 +61,8 @@ def row_depth(q: MXArray | GridArray) -> jax.Array:
     if not q.format.scale_kind.pow2:
         return jnp.int32(0)
     relative, _, nan = relative_exponents(q.scale, q.data_axis)
-    nonzero = jnp.any(_blocked(q, element_values(q)) != 0, axis=q.data_axis + 1)
+    codes = q.data if jnp.issubdtype(q.data.dtype, jnp.floating) else element_values(q)
+    nonzero = jnp.any(_blocked(q, codes) != 0, axis=q.data_axis + 1)  # NaN codes count
     return jnp.max(bits.where(nonzero & ~nan, -relative, 0), initial=0)
 
 
@@ -86,31 +88,39 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
     left out) from one dot per block of K, each rescaled exactly: see the module docstring.
     Operands as for :func:`~jaxmx._src.gemm.emulate.emulated_matmul`, with at least one block
     of K; either may be blocked along its last axis or (K-first) along the one before."""
-    a_values, a_exponent = _blocks(a)
-    b_values, b_exponent = _blocks(b)
+    a_values, a_exponent, a_nan = _blocks(a)
+    b_values, b_exponent, b_nan = _blocks(b)
     a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked values and of the exponents
     batch = tuple(range(a.data.ndim - 2))
     dims = (((a_kb,), (b_kb,)), (batch, batch))  # the block's elements sit where KB was
 
-    def block(i):  # the float32 dot of block i of K and its exponent 2^(e_a + e_b) [..., M, N]
+    def step(i, carry):  # carry: the sum so far as ``total * 2^frame``
+        total, frame = carry
         a_block = lax.dynamic_index_in_dim(a_values, i, a_kb, keepdims=False)
         b_block = lax.dynamic_index_in_dim(b_values, i, b_kb, keepdims=False)
         out = lax.dot_general(a_block, b_block, dims, preferred_element_type=jnp.float32)
-        a_e = lax.dynamic_index_in_dim(a_exponent, i, a_kb, keepdims=False)
-        b_e = lax.dynamic_index_in_dim(b_exponent, i, b_kb, keepdims=False)
-        return out, a_e[..., :, None] + b_e[..., None, :]
-
-    def step(i, carry):  # carry: the sum so far as ``total * 2^frame``
-        total, frame = carry
-        out, exponent = block(i)
+        a_e, b_e, a_n, b_n = (
+            lax.dynamic_index_in_dim(x, i, kb, keepdims=False)
+            for x, kb in ((a_exponent, a_kb), (b_exponent, b_kb), (a_nan, a_kb), (b_nan, b_kb))
+        )
+        out = bits.where(a_n[..., :, None] | b_n[..., None, :], jnp.nan, out)  # a NaN scale
+        exponent = a_e[..., :, None] + b_e[..., None, :]
         new_frame = jnp.maximum(frame, bits.where(out != 0, exponent, _NO_TERM))
-        moved = bits.ldexp_rounded(total, frame - new_frame)
-        return moved + bits.ldexp_rounded(out, exponent - new_frame), new_frame
+        return _down(total, frame - new_frame) + _down(out, exponent - new_frame), new_frame
 
-    out, exponent = block(0)
-    first = (out, bits.where(out != 0, exponent, _NO_TERM))
-    total, frame = lax.fori_loop(1, a.scale.shape[a_kb], step, first)
+    out_shape = (*a_values.shape[: len(batch)], _rows(a), _rows(b))
+    # -0 + x is x for every x, -0 included: the sum's sign of zero is IEEE's
+    start = (jnp.full(out_shape, -0.0, jnp.float32), jnp.full(out_shape, _NO_TERM, jnp.int32))
+    total, frame = lax.fori_loop(0, a.scale.shape[a_kb], step, start)
     return bits.ldexp_rounded(total, frame)
+
+
+def _down(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """``x * 2^shift`` for ``shift <= 0`` (larger shifts are taken as 0: only zeros get them),
+    as two float32 multiplies by powers of two: exact where the result is normal; below
+    ``2^-126`` it may flush (XLA:CPU), and below ``2^-252`` it does."""
+    first = jnp.clip(shift, -126, 0)
+    return x * bits.pow2(first) * bits.pow2(jnp.clip(shift - first, -126, 0))
 
 
 def _blocked(q, values: jax.Array) -> jax.Array:
@@ -119,23 +129,29 @@ def _blocked(q, values: jax.Array) -> jax.Array:
     return values.reshape(*data.shape[:k], q.scale.shape[k], f.block, *data.shape[k + 1 :])
 
 
-def _blocks(q) -> tuple[jax.Array, jax.Array]:
-    """(unscaled values bfloat16, blocked as :func:`_blocked`; block exponents int32 shaped like
-    ``q.scale``) of ``q``: E8M0 operands as element values (NaN under a NaN scale) and their
-    scales' exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
+def _rows(q) -> int:
+    """The number of rows (M or N) of a GEMM operand."""
+    return q.data.shape[-1] if q.data_axis == q.data.ndim - 2 else q.data.shape[-2]
+
+
+def _blocks(q) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(unscaled values bfloat16, blocked as :func:`_blocked`; block exponents int32 and NaN
+    scales, shaped like ``q.scale``) of ``q``: E8M0 operands as element values and their scales'
+    exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
     f, k = q.format, q.data_axis
     values = _blocked(q, element_values(q))
     if f.scale_kind.pow2:
-        relative, row_max, nan = relative_exponents(q.scale, k)
-        exponent = bits.where(nan, 0, relative + jnp.expand_dims(row_max, k))
-        values = bits.where(jnp.expand_dims(nan, k + 1), jnp.nan, values)
+        byte = scale_exponent_bytes(q.scale)
+        nan = byte == bits.E8M0_NAN
+        exponent = byte - bits.EXPONENT_BIAS
     else:
         values, _ = rule_of(f).relative_to_rows(values, q.scale, k)
         exponent = jnp.zeros(q.scale.shape, jnp.int32)
+        nan = jnp.zeros(q.scale.shape, bool)
     if q.shape[q.axis] != q.data.shape[k]:
         shape = values.shape
         index = lax.broadcasted_iota(jnp.int32, shape, k) * f.block + lax.broadcasted_iota(
             jnp.int32, shape, k + 1
         )
         values = bits.where(index < q.shape[q.axis], values, 0)
-    return values.astype(jnp.bfloat16), exponent
+    return values.astype(jnp.bfloat16), exponent, nan

@@ -85,13 +85,15 @@ def block_outcomes(formats, pow2):
     return names, x, y, {backend: outcome(backend, a, b, mode) for backend in BACKENDS}
 
 
-def assert_taken_or_refused(result, refusal, names, x, y, what, decodes_to_float32=False):
+def assert_taken_or_refused(
+    result, refusal, names, x, y, what, decodes_to_float32=False, partial_overflow=False
+):
     if refusal is not None:
         assert isinstance(result, Exception), f"{what}: expected a refusal ({refusal}), ran"
         assert refusal.lower() in str(result).lower(), f"{what}: refused with {result}"
         return
     assert not isinstance(result, Exception), f"{what}: refused: {result}"
-    bad = problems(result, x, y, names, decodes_to_float32)
+    bad = problems(result, x, y, names, decodes_to_float32, partial_overflow=partial_overflow)
     assert not bad, f"{what}: {len(bad)} entries off the bound:\n" + "\n".join(bad[:12])
 
 
@@ -101,7 +103,11 @@ def assert_taken_or_refused(result, refusal, names, x, y, what, decodes_to_float
 def test_mx_backends_are_exact_or_refuse(formats, backend, group):
     names, x, y, results = mx_outcomes(formats, group)
     refusal = REFUSED.get((backend, formats))
-    assert_taken_or_refused(results[backend], refusal, names, x, y, f"{backend} {formats}")
+    # the C++ handler sums the blocks in float32 as they come: its partial sums may overflow
+    partial = backend == "ffi"
+    assert_taken_or_refused(
+        results[backend], refusal, names, x, y, f"{backend} {formats}", False, partial
+    )
 
 
 @pytest.mark.parametrize("group", list(MX_GROUPS))
@@ -122,7 +128,7 @@ def test_block_fp8_backends_are_exact_or_refuse(formats, pow2, backend):
     # the dequantized emulation (float32 scales) and the native block-FP8 GEMM decode to float32
     decodes = backend == "ffi" or (backend == "emulate" and not pow2)
     what = f"{backend} {formats}"
-    assert_taken_or_refused(results[backend], refusal, names, x, y, what, decodes)
+    assert_taken_or_refused(results[backend], refusal, names, x, y, what, decodes, decodes)
 
 
 @pytest.mark.parametrize("formats", BLOCK_PAIRS, ids=_ids(BLOCK_PAIRS))
@@ -192,5 +198,11 @@ def test_fp8_block_pow2_training_gemms_under_xla_equal_the_emulation_on_extreme_
     xq = jaxmx.quantize(jnp.asarray(x), "fp8_e4m3_block", scale_mode="pow2")
     wq = jaxmx.quantize(jnp.asarray(w), "fp8_e4m3_block", scale_mode="pow2", tile=(128, 128))
     names = ["forward"]
-    bad = problems(np.asarray(emulated[0])[None], decode(xq)[None], decode(wq)[None], names)
+    bad = problems(
+        np.asarray(emulated[0])[None],
+        decode(xq)[None],
+        decode(wq)[None],
+        names,
+        partial_overflow=False,
+    )
     assert not bad, bad[:4]

@@ -42,7 +42,7 @@ def _native(family):
 def test_mx_hard_inputs_on_the_device(gpu, formats, family, group):
     names, a, b, x, y = mx_group(formats, group)
     emulated = _run("emulate", a, b, gpu)
-    assert not problems(emulated, x, y, names), "emulate"
+    assert not problems(emulated, x, y, names, partial_overflow=False), "emulate"
     # XLA may keep the op native on a GPU (cuDNN, Triton): the accumulator's bound
     bad = problems(_run("xla", a, b, gpu), x, y, names, relative=CUBLASLT_RELATIVE)
     assert not bad, "xla: " + "; ".join(bad[:8])

@@ -74,7 +74,7 @@ def test_the_emulation_is_chosen_by_scale_kind_blocks_and_tiles():
 
 def test_pow2_block_fp8_runs_as_its_mx_twin_where_only_the_mx_gemm_runs():
     block = ("fp8_e4m3_block", "fp8_e4m3_block")
-    twin = {"default": "dequantized", "cuda": "native_pow2_twin"}
+    twin = {"default": "emulate_pow2_twin", "cuda": "native_pow2_twin"}
     assert plan("auto", block, BLACKWELL, scale_mode="pow2") == twin
     assert plan("auto", block, BLACKWELL, scale_mode="fp32") == {"default": "dequantized"}
     assert plan("auto", block, HOPPER, scale_mode="pow2")["cuda"] == "native"

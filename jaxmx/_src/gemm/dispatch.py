@@ -9,6 +9,9 @@ CUDA device (:mod:`~jaxmx._src.gemm.capabilities`), another for ``"cuda"``. The 
   float32 accumulation (formats whose products ``code * scale`` are exact, in equal blocks);
 - ``"emulate_values"``: the same on operands quantized straight to element values (a caller
   that has not quantized yet, E8M0 scales in 1-D blocks): the same bits in less time;
+- ``"emulate_pow2_twin"``: block FP8 with power-of-two scales (a caller that quantizes with
+  ``scale_mode="pow2"``) as its MX twin through ``"emulate"``: exact where float32 dequantized
+  operands would overflow (a scale of ``2^127`` times 448) or flush (scales below ``2^-126``);
 - ``"dequantized"``: float32 dequantized operands (float32 scales, narrow tiles, unequal blocks,
   and grouped GEMMs, which have no native kernel yet);
 - ``"limited"``: the modelled limited-precision accumulator (``accum_bits``);
@@ -30,7 +33,7 @@ Example:
     >>> kernels(Gemm(formats=("mxfp8_e4m3", "mxfp8_e5m2")), blackwell)
     {'default': 'emulate', 'cuda': 'native'}
     >>> kernels(Gemm(formats=("fp8_e4m3_block",) * 2, scale_mode="pow2"), blackwell)
-    {'default': 'dequantized', 'cuda': 'native_pow2_twin'}
+    {'default': 'emulate_pow2_twin', 'cuda': 'native_pow2_twin'}
     >>> kernels(Gemm(formats=("mxfp4", "mxfp4"), backend="xla"))
     {'default': 'xla'}
     >>> hopper = Capabilities(compute_capability=(9, 0), cublaslt_version=120900)
@@ -55,6 +58,7 @@ from jaxmx._src.gemm.capabilities import Capabilities
 KERNELS = (
     "emulate",
     "emulate_values",
+    "emulate_pow2_twin",
     "dequantized",
     "limited",
     "native",
@@ -176,6 +180,9 @@ def _emulation(gemm: Gemm) -> str:
     fs = [get_format(f) for f in gemm.formats]
     if gemm.to_values and all(f.scale_kind.pow2 for f in fs) and gemm.tiles == (None, None):
         return "emulate_values"
+    if gemm.scale_mode == "pow2" and all(f.pow2_twin and f.block == fs[0].block for f in fs):
+        if all(_block_wide(t, f) for t, f in zip(gemm.tiles, fs, strict=True)):
+            return "emulate_pow2_twin"
     exact = all(f.scale_kind.exact_products for f in fs) and fs[0].block == fs[1].block
     if exact and all(_block_wide(t, f) for t, f in zip(gemm.tiles, fs, strict=True)):
         return "emulate"

@@ -10,9 +10,12 @@ decode was representable, and finite wherever the exact result is (e.g. a block 
 times one at ``2^-100``). The shift is applied to the float32 bits with one rounding to nearest
 even, so a result in float32's subnormal range is kept (XLA:CPU would flush the float product)
 and equals the native GEMM's bit for bit where the float32 dot is exact (e.g. one block of K).
-What is left: a product of two blocks that lie, together, more than about ``2^100`` below their
-rows' largest blocks can round to zero (the native GEMM keeps it). Codes in the padding of a K
-that is not a multiple of the block are ignored, whatever they hold.
+Where a row's blocks lie so far below its largest that, together with the other operand's,
+a product could leave float32's normal range in that frame (the scales compensating across
+the operands, say), the GEMM runs :mod:`~jaxmx._src.gemm.blockwise` instead, chosen by a
+``lax.cond`` on the scales: exact (up to float32 summation) for every pair of E8M0 scale rows.
+Codes in the padding of a K that is not a multiple of the block are ignored, whatever they
+hold.
 
 NVFP4 operands (:mod:`jaxmx._src.quantize.nvfp4`) enter the dot as ``code * s`` (exact: at most 6
 significant bits, between 2^-10 and 2688) and the float32 result is multiplied by
@@ -45,6 +48,7 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.gemm.blockwise import blockwise_matmul, fits_row_relative, needs_check
 from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import rule_of
 
@@ -60,25 +64,42 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
     kernel.
     """
 
+    out = exact_or_row_relative(a, b, _row_relative_matmul)
+    return with_tensor_scales(out, a, b).astype(out_dtype)
+
+
+def exact_or_row_relative(a, b, row_relative) -> jax.Array:
+    """``row_relative(a, b)`` (a float32 GEMM on row-relative operands, before the tensor
+    scales) where its products are exact (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`),
+    else :func:`~jaxmx._src.gemm.blockwise.blockwise_matmul`: a ``lax.cond`` on the operands'
+    scales (under ``vmap`` a select, so both run)."""
+    if not needs_check(a, b):
+        return row_relative(a, b)
+    return lax.cond(fits_row_relative(a, b), row_relative, blockwise_matmul, a, b)
+
+
+def _row_relative_matmul(a, b) -> jax.Array:
     a_values, a_shift = decode_rows(a, jnp.bfloat16)
     b_values, b_shift = decode_rows(b, jnp.bfloat16)
-    nd = a.data.ndim
-    batch = tuple(range(nd - 2))
+    batch = tuple(range(a.data.ndim - 2))
     out = lax.dot_general(
         a_values,
         b_values,
         (((a.data_axis,), (b.data_axis,)), (batch, batch)),
         preferred_element_type=jnp.float32,
     )
-    return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
+    return rescaled(out, a_shift, b_shift)
 
 
-def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> jax.Array:
+def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array) -> jax.Array:
     """The float32 product ``out`` [..., M, N] of row-relative operands (:func:`decode_rows`)
-    times ``2^(s_a + s_b) * g_a * g_b``: the rows' exponents back, exactly, then the tensor
-    scales (NVFP4) as cuBLASLt applies alpha."""
+    times ``2^(s_a + s_b)``: the rows' exponents back, exactly."""
     shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-    out = bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+    return bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+
+
+def with_tensor_scales(out: jax.Array, a, b) -> jax.Array:
+    """``out`` times ``g_a * g_b`` (NVFP4's tensor scales, as cuBLASLt applies alpha)."""
     return out * _alpha(a, b, out.ndim)
 
 

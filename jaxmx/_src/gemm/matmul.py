@@ -115,6 +115,7 @@ def _native(a: MXArray, b: MXArray, out_dtype, fast_accum: bool = False) -> jax.
 KERNELS = {
     "emulate": lambda a, b, out_dtype, _: emulated_matmul(untiled(a), untiled(b), out_dtype),
     "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
+    "emulate_pow2_twin": lambda a, b, out_dtype, _: emulated_matmul(as_mx(a), as_mx(b), out_dtype),
     "dequantized": lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
     "limited": lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
     "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),

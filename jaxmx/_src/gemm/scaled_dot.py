@@ -11,9 +11,11 @@ changes that make the decomposition give the emulation's bits (:mod:`~jaxmx._src
   subtraction on the scale bytes; NaN scales stay NaN), and the float32 result is multiplied by
   ``2^(s_a + s_b)`` afterwards, as the emulation does: ``code * scale`` then never overflows
   bfloat16 (a scale of ``2^127`` times an element of 448 would), and every product is the
-  emulation's. A block more than ``2^127`` below its row's largest (beyond E8M0's range once
-  relative) enters as zero (its codes are zeroed): the emulation keeps such a block's values as
-  far as float32 subnormals reach, which the CPU flushes anyway.
+  emulation's. Operands whose scales span more than that frame keeps exactly
+  (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`) take the emulation's exact blockwise
+  path instead (a ``lax.cond``), so the result is the emulation's there too; a block more than
+  ``2^127`` below its row's largest then holds only zeros or sits under a NaN scale, and enters
+  as zero codes (NaN scales stay NaN).
 - Codes in the padding of a K that is not a multiple of the block are zeroed, whatever they
   hold (the emulation ignores them too).
 
@@ -41,7 +43,7 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.gemm.emulate import rescaled
+from jaxmx._src.gemm.emulate import exact_or_row_relative, rescaled, with_tensor_scales
 from jaxmx._src.quantize.scales import relative_exponents
 
 MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
@@ -52,6 +54,12 @@ MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
 def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX or NVFP4 operands in
     1-D blocks ([..., M, K] or [..., K, M], and likewise ``b``), through ``lax.scaled_dot``."""
+    out = exact_or_row_relative(a, b, _scaled_dot)
+    return with_tensor_scales(out, a, b).astype(out_dtype)
+
+
+def _scaled_dot(a: MXArray, b: MXArray) -> jax.Array:
+    """The float32 product through ``lax.scaled_dot`` on row-relative scales, rescaled."""
     a_codes, a_scale, a_shift = _operand(a)
     b_codes, b_scale, b_shift = _operand(b)
     batch = tuple(range(a.data.ndim - 2))
@@ -67,7 +75,7 @@ def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
             dimension_numbers=dims,
             preferred_element_type=jnp.float32,
         )
-    return rescaled(out, a_shift, b_shift, a, b).astype(out_dtype)
+    return rescaled(out, a_shift, b_shift)
 
 
 def _operand(q: MXArray) -> tuple[jax.Array, jax.Array, jax.Array]:

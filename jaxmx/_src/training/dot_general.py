@@ -589,7 +589,7 @@ def _gemm(
 def _gathers_8bit(kernel: str) -> bool:
     """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: an
     emulation outside ``shard_map`` (whose arrays are already per-device)."""
-    return kernel in ("emulate", "emulate_values", "dequantized") and not (
+    return kernel in ("emulate", "emulate_values", "emulate_pow2_twin", "dequantized") and not (
         jax.sharding.get_abstract_mesh().manual_axes
     )
 

@@ -1,0 +1,157 @@
+"""The exact MX GEMM for operands whose block scales span more than the row-relative decode keeps.
+
+The fast emulation (:mod:`~jaxmx._src.gemm.emulate`) and ``backend="xla"``
+(:mod:`~jaxmx._src.gemm.scaled_dot`) decode each row relative to its largest block scale
+``2^s`` and multiply the float32 product by ``2^(s_a + s_b)``. Every product of a block ``2^d_a``
+below its row's largest with one ``2^d_b`` below the other row's largest is then formed as
+``code_a * code_b * 2^-(d_a + d_b)``: exact, and no partial sum is a float32 subnormal (which
+XLA:CPU flushes), as long as ``d_a + d_b <= 126 + q_a + q_b`` (``2^q``: the element format's
+smallest step, e.g. ``2^-9`` for E4M3, so the bound is 108 for E4M3 x E4M3). Beyond it a
+product can be lost, and it need not be negligible: when the scales compensate across the
+operands (an ``lhs`` row with blocks at ``2^73`` and ``2^-67`` against an ``rhs`` row at
+``2^-67`` and ``2^73``) every product sits ``2^140`` below ``2^(s_a + s_b)``.
+
+:func:`fits_row_relative` decides it from the scales and one nonzero test per block (only
+blocks holding a nonzero element count, so an all-zero block at ``2^-127`` does not), and
+:func:`blockwise_matmul` is the exact path taken otherwise: one float32 dot per block of K
+(``sum`` over 32 elements of ``code_a * code_b``, exact products), each multiplied by
+``2^(e_a + e_b)`` on the float32 bits with one rounding (overflow to ``inf``), summed in
+float32 over the blocks in a frame that follows the largest nonzero term so far (the running
+sum is moved, exactly, when a later block's exponent is larger), and rounded once when the frame
+is applied at the end. Every partial sum then lies below ``2^37`` times the number of blocks (no
+intermediate overflow: a result past float32's range is ``inf`` of the exact sum's sign), and
+what a partial sum flushes lies below ``2^-126`` of the frame, at most ``2^-94`` of the largest
+product's magnitude. With one block of K it is the float32 dot rounded once.
+
+Example:
+    >>> import jax.numpy as jnp, jaxmx
+    >>> from jaxmx._src.gemm.blockwise import blockwise_matmul, fits_row_relative
+    >>> codes = jnp.ones((1, 64), jnp.float8_e4m3fn)
+    >>> big_small = jnp.array([[200, 60]], jnp.uint8).view(jnp.float8_e8m0fnu)  # 2^73, 2^-67
+    >>> a = jaxmx.MXArray(codes, big_small, "mxfp8_e4m3", 1, (1, 64))
+    >>> b = jaxmx.MXArray(codes, big_small[:, ::-1], "mxfp8_e4m3", 1, (1, 64))
+    >>> bool(fits_row_relative(a, b)), blockwise_matmul(a, b).tolist()   # 64 * 2^6
+    (False, [[4096.0]])
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmx._src.core import bits
+from jaxmx._src.core.grid_array import GridArray
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize.codec import scale_exponent_bytes
+from jaxmx._src.quantize.fake import element_values
+from jaxmx._src.quantize.scales import relative_exponents, rule_of
+
+
+def row_relative_limit(a: MXArray | GridArray, b: MXArray | GridArray) -> int:
+    """The largest ``d_a + d_b`` (binades below the rows' largest blocks) whose products the
+    row-relative decode forms exactly: ``126 + q_a + q_b`` for element steps ``2^q``."""
+    return 126 + sum(q.format.emin - q.format.mbits for q in (a, b))
+
+
+def row_depth(q: MXArray | GridArray) -> jax.Array:
+    """int32 scalar: how many binades the deepest block holding a nonzero element (with a
+    finite scale) lies below its row's largest block scale, over all rows; 0 for scales that
+    are not E8M0 (their products need no row-relative decode)."""
+    if not q.format.scale_kind.pow2:
+        return jnp.int32(0)
+    relative, _, nan = relative_exponents(q.scale, q.data_axis)
+    codes = q.data if jnp.issubdtype(q.data.dtype, jnp.floating) else element_values(q)
+    nonzero = jnp.any(_blocked(q, codes) != 0, axis=q.data_axis + 1)  # NaN codes count
+    return jnp.max(bits.where(nonzero & ~nan, -relative, 0), initial=0)
+
+
+def fits_row_relative(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Array:
+    """bool scalar: whether every product the row-relative decode forms is exact
+    (:func:`row_depth` of both operands within :func:`row_relative_limit`)."""
+    return row_depth(a) + row_depth(b) <= row_relative_limit(a, b)
+
+
+def needs_check(a: MXArray | GridArray, b: MXArray | GridArray) -> bool:
+    """Whether the operands can exceed :func:`row_relative_limit` at all (static): an E8M0
+    operand and a K of at least one block."""
+    pow2 = a.format.scale_kind.pow2 or b.format.scale_kind.pow2
+    return pow2 and a.scale.shape[a.data_axis] > 0
+
+
+_NO_TERM = -(2**20)  # the frame exponent of an entry no nonzero block product has reached yet
+
+
+@jax.jit
+def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Array:
+    """float32 ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` (NVFP4's tensor scales
+    left out) from one dot per block of K, each rescaled exactly: see the module docstring.
+    Operands as for :func:`~jaxmx._src.gemm.emulate.emulated_matmul`, with at least one block
+    of K; either may be blocked along its last axis or (K-first) along the one before."""
+    a_values, a_exponent, a_nan = _blocks(a)
+    b_values, b_exponent, b_nan = _blocks(b)
+    a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked values and of the exponents
+    batch = tuple(range(a.data.ndim - 2))
+    dims = (((a_kb,), (b_kb,)), (batch, batch))  # the block's elements sit where KB was
+
+    def step(i, carry):  # carry: the sum so far as ``total * 2^frame``
+        total, frame = carry
+        a_block = lax.dynamic_index_in_dim(a_values, i, a_kb, keepdims=False)
+        b_block = lax.dynamic_index_in_dim(b_values, i, b_kb, keepdims=False)
+        out = lax.dot_general(a_block, b_block, dims, preferred_element_type=jnp.float32)
+        a_e, b_e, a_n, b_n = (
+            lax.dynamic_index_in_dim(x, i, kb, keepdims=False)
+            for x, kb in ((a_exponent, a_kb), (b_exponent, b_kb), (a_nan, a_kb), (b_nan, b_kb))
+        )
+        out = bits.where(a_n[..., :, None] | b_n[..., None, :], jnp.nan, out)  # a NaN scale
+        exponent = a_e[..., :, None] + b_e[..., None, :]
+        new_frame = jnp.maximum(frame, bits.where(out != 0, exponent, _NO_TERM))
+        return _down(total, frame - new_frame) + _down(out, exponent - new_frame), new_frame
+
+    out_shape = (*a_values.shape[: len(batch)], _rows(a), _rows(b))
+    # -0 + x is x for every x, -0 included: the sum's sign of zero is IEEE's
+    start = (jnp.full(out_shape, -0.0, jnp.float32), jnp.full(out_shape, _NO_TERM, jnp.int32))
+    total, frame = lax.fori_loop(0, a.scale.shape[a_kb], step, start)
+    return bits.ldexp_rounded(total, frame)
+
+
+def _down(x: jax.Array, shift: jax.Array) -> jax.Array:
+    """``x * 2^shift`` for ``shift <= 0`` (larger shifts are taken as 0: only zeros get them),
+    as two float32 multiplies by powers of two: exact where the result is normal; below
+    ``2^-126`` it may flush (XLA:CPU), and below ``2^-252`` it does."""
+    first = jnp.clip(shift, -126, 0)
+    return x * bits.pow2(first) * bits.pow2(jnp.clip(shift - first, -126, 0))
+
+
+def _blocked(q, values: jax.Array) -> jax.Array:
+    """``values`` (shaped like ``q.data``) as blocks: [..., KB, block, ...] at ``q.data_axis``."""
+    f, k, data = q.format, q.data_axis, q.data
+    return values.reshape(*data.shape[:k], q.scale.shape[k], f.block, *data.shape[k + 1 :])
+
+
+def _rows(q) -> int:
+    """The number of rows (M or N) of a GEMM operand."""
+    return q.data.shape[-1] if q.data_axis == q.data.ndim - 2 else q.data.shape[-2]
+
+
+def _blocks(q) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(unscaled values bfloat16, blocked as :func:`_blocked`; block exponents int32 and NaN
+    scales, shaped like ``q.scale``) of ``q``: E8M0 operands as element values and their scales'
+    exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
+    f, k = q.format, q.data_axis
+    values = _blocked(q, element_values(q))
+    if f.scale_kind.pow2:
+        byte = scale_exponent_bytes(q.scale)
+        nan = byte == bits.E8M0_NAN
+        exponent = byte - bits.EXPONENT_BIAS
+    else:
+        values, _ = rule_of(f).relative_to_rows(values, q.scale, k)
+        exponent = jnp.zeros(q.scale.shape, jnp.int32)
+        nan = jnp.zeros(q.scale.shape, bool)
+    if q.shape[q.axis] != q.data.shape[k]:
+        shape = values.shape
+        index = lax.broadcasted_iota(jnp.int32, shape, k) * f.block + lax.broadcasted_iota(
+            jnp.int32, shape, k + 1
+        )
+        values = bits.where(index < q.shape[q.axis], values, 0)
+    return values.astype(jnp.bfloat16), exponent, nan

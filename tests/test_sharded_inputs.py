@@ -130,16 +130,7 @@ EAGERLY = (
 )
 
 
-ADVISE_EXPLICIT = pytest.mark.xfail(
-    strict=True,
-    reason="advise under Explicit axes: the output-gradient tap's cotangent type differs from "
-    "the tap's (custom VJP type check); not fixed yet",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=ADVISE_EXPLICIT) if n == "advise" else n for n in EAGERLY]
-)
+@pytest.mark.parametrize("name", EAGERLY)
 def test_public_functions_take_explicitly_sharded_arrays_eagerly(operands, references, name):
     mesh, args = sharded(operands, AxisType.Explicit)
     fn = CASES[name][0] if name in CASES else EAGER[name]

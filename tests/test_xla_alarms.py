@@ -92,14 +92,7 @@ def _sections(text: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-NVFP4_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="NVFP4's step still hands XLA constant work: bitcasts of [128, 8] scale-shaped "
-    "constants and an iota sum of [128, 128] (no alarm at these sizes)",
-)
-
-
-@pytest.mark.parametrize("section", ["readme", "advise", pytest.param("recipes", marks=NVFP4_OPEN)])
+@pytest.mark.parametrize("section", ["readme", "advise", "recipes"])
 def test_no_xla_alarm_and_no_constant_work(run, section):
     out, err = run
     alarms = [line for line in err[section].splitlines() if any(a in line for a in ALARMS)]

@@ -295,19 +295,22 @@ def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     inside a kernel traced under :func:`division` (the Pallas quantizers compiled for a GPU,
     whose Triton lowering divides approximately) the given function divides instead.
     """
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     override = _division.get()
     if override is not None:
-        return override(a, b)
+        return override(*jnp.broadcast_arrays(a, b))
+    a = jnp.broadcast_to(a, jnp.broadcast_shapes(a.shape, b.shape))
     return a / lax.optimization_barrier(_batched_like(b, a))
 
 
 def _batched_like(b: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
-    """``b`` unchanged, but computed from ``a`` (same shape), so that under ``jax.vmap`` it is
+    """``b`` broadcast to ``a``'s shape, computed from ``a``, so that under ``jax.vmap`` it is
     batched wherever ``a`` is: an unbatched divisor would be broadcast only after
     :func:`divide`'s barrier, where XLA again multiplies by its reciprocal. The bits of ``a``
-    are masked out (``& 0``), so the values are ``b``'s, NaN and infinities included."""
-    return from_bits(to_bits(b) | (to_bits(a) & 0))
+    are masked out (``& 0``), so the values are ``b``'s, NaN and infinities included; ``b`` is
+    read as bits before its broadcast (a constant divisor leaves XLA no work at ``a``'s
+    shape)."""
+    return from_bits(jnp.broadcast_to(to_bits(b), a.shape) | (to_bits(a) & 0))
 
 
 @contextlib.contextmanager

@@ -76,9 +76,13 @@ def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -
 def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> jax.Array:
     """The float32 product ``out`` [..., M, N] of row-relative operands (:func:`decode_rows`)
     times ``2^(s_a + s_b) * g_a * g_b``: the rows' exponents back, exactly, then the tensor
-    scales (NVFP4) as cuBLASLt applies alpha."""
-    shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-    out = bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+    scales (NVFP4) as cuBLASLt applies alpha. Only operands with E8M0 scales have row
+    exponents (the others' are 0: no constant work is left for XLA to fold)."""
+    shift = [
+        s for q, s in ((a, a_shift[..., :, None]), (b, b_shift[..., None, :])) if q.format.is_mx
+    ]
+    if shift:  # in [-254, 254]; one rounding, subnormal results kept (no flushing)
+        out = bits.ldexp_rounded(out, functools.reduce(jnp.add, shift))
     return out * _alpha(a, b, out.ndim)
 
 

@@ -32,6 +32,16 @@ def _loss(x, w):
     return (jaxmx.dot_general(x, w, DIMS) * c).sum()  # linear in y: the output gradient is c
 
 
+def _telemetry(x, w):
+    def loss(x, w, taps):
+        with dg.telemetry(taps) as tel:
+            return _loss(x, w), tel.forward
+
+    taps = dg.gemm_taps(loss, x, w)
+    (_, fwd), (_, grads) = jax.jit(jax.value_and_grad(loss, (0, 2), has_aux=True))(x, w, taps)
+    return dg.telemetry_report(fwd, grads)
+
+
 # name -> (function of (x, w), the leaves compared bit for bit: all, or only the integer ones)
 CASES = {
     "quantize": (lambda x, w: jaxmx.quantize(x, "mxfp8_e4m3"), "all"),
@@ -60,6 +70,7 @@ EAGER = {
     "recommendation": lambda x, w: dg.granularity(x).recommendation.level,
     "block_stats_summary": lambda x, w: dg.block_stats(x).summary(),
     "advise": lambda x, w: dg.advise(_loss, x, w).recipes(),
+    "telemetry": _telemetry,
 }
 
 
@@ -130,16 +141,7 @@ EAGERLY = (
 )
 
 
-ADVISE_EXPLICIT = pytest.mark.xfail(
-    strict=True,
-    reason="advise under Explicit axes: the output-gradient tap's cotangent type differs from "
-    "the tap's (custom VJP type check); not fixed yet",
-)
-
-
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=ADVISE_EXPLICIT) if n == "advise" else n for n in EAGERLY]
-)
+@pytest.mark.parametrize("name", EAGERLY)
 def test_public_functions_take_explicitly_sharded_arrays_eagerly(operands, references, name):
     mesh, args = sharded(operands, AxisType.Explicit)
     fn = CASES[name][0] if name in CASES else EAGER[name]

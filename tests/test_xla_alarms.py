@@ -1,7 +1,8 @@
 """No XLA alarm in a user's output: the README example, ``advise`` on a small demo model and one
-training step of each recipe compile without XLA's ``slow_operation_alarm`` ("Constant folding
-an instruction is taking > 1s") or "Very slow compile", and hand XLA no large constant work
-(:mod:`constant_work`, the machine-independent cause of the first alarm).
+training step of each recipe (on two GEMM shapes) compile without XLA's
+``slow_operation_alarm`` ("Constant folding an instruction is taking > 1s") or "Very slow
+compile", and hand XLA no large constant work (:mod:`constant_work`, the machine-independent
+cause of the first alarm).
 
 XLA prints its alarms from C++ to the process's stderr, so everything runs in one subprocess
 whose stderr is read here.
@@ -52,21 +53,28 @@ SCRIPT = textwrap.dedent(
         print("CONSTANT", found)
 
     section("recipes")
-    x = jax.random.normal(jax.random.key(0), (128, 128), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(1), (128, 128), jnp.float32)
+    # a square GEMM, and one with a batch dim and a K-first weight whose per-row scales and
+    # blocks number 1024 or more
+    cases = [
+        ("md,nd->mn", (128, 128), (128, 128)),
+        ("bmd,dn->bmn", (2, 64, 1024), (1024, 384)),
+    ]
     key = jax.random.key(2)
     for name in dir(jaxmx.recipes):
         recipe = getattr(jaxmx.recipes, name)
         if not isinstance(recipe, jaxmx.Recipe):
             continue
-        def loss(x, w, key, recipe=recipe):  # a fresh key each step: an argument
-            with jaxmx.stochastic_rounding(key):
-                return jaxmx.einsum("md,nd->mn", x, w, recipe=recipe).sum()
-        step = jax.grad(loss, argnums=(0, 1))
-        jax.block_until_ready(jax.jit(step)(x, w, key))
+        for spec, x_shape, w_shape in cases:
+            x = jax.random.normal(jax.random.key(0), x_shape, jnp.bfloat16)
+            w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32)
+            def loss(x, w, key, recipe=recipe, spec=spec):  # a fresh key each step: an argument
+                with jaxmx.stochastic_rounding(key):
+                    return jaxmx.einsum(spec, x, w, recipe=recipe).sum()
+            step = jax.grad(loss, argnums=(0, 1))
+            jax.block_until_ready(jax.jit(step)(x, w, key))
+            for found in constant_work(step, x, w, key):
+                print("CONSTANT", name, spec, found)
         print("step", name, flush=True)
-        for found in constant_work(step, x, w, key):
-            print("CONSTANT", name, found)
     """
 )
 
@@ -92,14 +100,7 @@ def _sections(text: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
-NVFP4_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="NVFP4's step still hands XLA constant work: bitcasts of [128, 8] scale-shaped "
-    "constants and an iota sum of [128, 128] (no alarm at these sizes)",
-)
-
-
-@pytest.mark.parametrize("section", ["readme", "advise", pytest.param("recipes", marks=NVFP4_OPEN)])
+@pytest.mark.parametrize("section", ["readme", "advise", "recipes"])
 def test_no_xla_alarm_and_no_constant_work(run, section):
     out, err = run
     alarms = [line for line in err[section].splitlines() if any(a in line for a in ALARMS)]

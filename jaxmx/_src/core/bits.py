@@ -295,19 +295,22 @@ def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     inside a kernel traced under :func:`division` (the Pallas quantizers compiled for a GPU,
     whose Triton lowering divides approximately) the given function divides instead.
     """
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
     override = _division.get()
     if override is not None:
-        return override(a, b)
-    return a / lax.optimization_barrier(_batched_like(b, a))
+        return override(*jnp.broadcast_arrays(a, b))
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return jnp.broadcast_to(a, shape) / lax.optimization_barrier(_batched_like(b, a, shape))
 
 
-def _batched_like(b: jnp.ndarray, a: jnp.ndarray) -> jnp.ndarray:
-    """``b`` unchanged, but computed from ``a`` (same shape), so that under ``jax.vmap`` it is
+def _batched_like(b: jnp.ndarray, a: jnp.ndarray, shape) -> jnp.ndarray:
+    """``b`` broadcast to ``shape``, computed from ``a`` too, so that under ``jax.vmap`` it is
     batched wherever ``a`` is: an unbatched divisor would be broadcast only after
     :func:`divide`'s barrier, where XLA again multiplies by its reciprocal. The bits of ``a``
-    are masked out (``& 0``), so the values are ``b``'s, NaN and infinities included."""
-    return from_bits(to_bits(b) | (to_bits(a) & 0))
+    are masked out (``& 0``), so the values are ``b``'s, NaN and infinities included. Both are
+    read as bits before their broadcast: a constant operand leaves XLA no work at ``shape``."""
+    b_bits = jnp.broadcast_to(to_bits(b), shape)
+    return from_bits(b_bits | jnp.broadcast_to(to_bits(a) & 0, shape))
 
 
 @contextlib.contextmanager

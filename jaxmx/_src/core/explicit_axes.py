@@ -6,7 +6,8 @@ diagnostics' groupings do not. :func:`on_explicit_axes` runs such a function wit
 Explicit axes switched to Auto (``jax.sharding.auto_axes``, XLA then places the collectives),
 and gives each result leaf a layout: the first array's ``PartitionSpec`` for a leaf of the
 same rank (each dim keeping only mesh axes that divide it), replicated otherwise. Arrays
-without Explicit axes (Auto axes, one device) run as they are.
+without Explicit axes (Auto axes, one device) run as they are. :func:`on_context_mesh` gives an
+array made outside such a function (e.g. a closed-over one) the axis types inside it.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -65,3 +66,40 @@ def on_explicit_axes(fn: Callable, *args, **kwargs):
         shapes = jax.eval_shape(jax.sharding.auto_axes(run, out_sharding=P()), *args)
         out = jax.tree.map(layout, shapes)
         return jax.sharding.auto_axes(run, out_sharding=out)(*args)
+
+
+def on_context_mesh(tree):
+    """``tree`` with each array typed on the current abstract mesh: an array on the same mesh
+    with other axis types (made inside ``jax.sharding.auto_axes`` and returned, or made outside
+    it and used inside, e.g. closed over) is resharded onto it, keeping its layout's entries on
+    the axes that are Explicit there (a traced array's type, a concrete array's placement); the
+    others are returned as they are. A traced array's gradient then comes back typed as the
+    array is (the ``reshard``'s transpose), as a custom VJP's cotangent must be.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> on_context_mesh({"tap": jnp.zeros(())})["tap"].shape
+        ()
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return tree
+    explicit = set(mesh.explicit_axes)
+
+    def move(x):
+        if not isinstance(x, jax.Array):
+            return x
+        s = jax.typeof(x).sharding
+        if not isinstance(s, NamedSharding) or s.mesh.empty or s.mesh == mesh:
+            return x
+        if s.mesh.axis_names != mesh.axis_names or s.mesh.axis_sizes != mesh.axis_sizes:
+            return x
+        placed = None if isinstance(x, jax.core.Tracer) else x.sharding
+        spec = placed.spec if isinstance(placed, NamedSharding) else s.spec
+        entries = []
+        for entry in spec:
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            entries.append(tuple(a for a in axes if a in explicit) or None)
+        return jax.sharding.reshard(x, P(*entries))
+
+    return jax.tree.map(move, tree)

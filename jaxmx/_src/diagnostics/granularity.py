@@ -41,7 +41,7 @@ import numpy as np
 from jaxmx._src.core import bits
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
-from jaxmx._src.core.explicit_axes import on_explicit_axes
+from jaxmx._src.core.explicit_axes import on_context_mesh, on_explicit_axes
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.recipes import (
     DEEPSEEK_FP8,
@@ -769,6 +769,8 @@ def advise(
         for name, legs in sizes.items()
     }
     (loss, forward), grads = jax.jit(jax.value_and_grad(run, has_aux=True))(taps, arrays)
+    # a GEMM on Explicit mesh axes runs with them switched to Auto: its forward legs come out so
+    forward = on_context_mesh(forward)
     sized = observers[1]
     axes = {
         name: {
@@ -798,7 +800,8 @@ def _leg_stats(x: jax.Array, axis: int, element: str, levels, leg: str):
     """A leg's :class:`LevelStats`: one compiled program per shape, axis and levels, shared by
     every leg that has them (the layers of a model repeat a few shapes)."""
     axis = normalize_axis(axis, x.ndim)
-    return jax.device_get(_measure(x, element=element, axis=axis, levels=_leg_levels(levels, leg)))
+    levels = _leg_levels(levels, leg)
+    return jax.device_get(on_explicit_axes(_measure, x, element=element, axis=axis, levels=levels))
 
 
 def _array_arguments(tree) -> tuple[list, Callable]:

@@ -88,14 +88,20 @@ def _row_relative_matmul(a, b) -> jax.Array:
         (((a.data_axis,), (b.data_axis,)), (batch, batch)),
         preferred_element_type=jnp.float32,
     )
-    return rescaled(out, a_shift, b_shift)
+    return rescaled(out, a_shift, b_shift, a, b)
 
 
-def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array) -> jax.Array:
+def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> jax.Array:
     """The float32 product ``out`` [..., M, N] of row-relative operands (:func:`decode_rows`)
-    times ``2^(s_a + s_b)``: the rows' exponents back, exactly."""
-    shift = a_shift[..., :, None] + b_shift[..., None, :]  # in [-254, 254]
-    return bits.ldexp_rounded(out, shift)  # one rounding, subnormal results kept (no flushing)
+    times ``2^(s_a + s_b)``: the rows' exponents back, exactly. Only operands with E8M0 scales
+    have row exponents (the others' are 0: no constant work is left for XLA to fold)."""
+    shift = [
+        s for q, s in ((a, a_shift[..., :, None]), (b, b_shift[..., None, :])) if q.format.is_mx
+    ]
+    if not shift:
+        return out
+    # in [-254, 254]; one rounding, subnormal results kept (no flushing)
+    return bits.ldexp_rounded(out, functools.reduce(jnp.add, shift))
 
 
 def with_tensor_scales(out: jax.Array, a, b) -> jax.Array:

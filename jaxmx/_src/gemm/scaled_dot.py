@@ -75,7 +75,7 @@ def _scaled_dot(a: MXArray, b: MXArray) -> jax.Array:
             dimension_numbers=dims,
             preferred_element_type=jnp.float32,
         )
-    return rescaled(out, a_shift, b_shift)
+    return rescaled(out, a_shift, b_shift, a, b)
 
 
 def _operand(q: MXArray) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -70,7 +70,9 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
         scale = jnp.maximum(bits.divide(amax, f.elem_max), jnp.float32(2.0**-126))
     else:  # pow2: the rceil exponent, k >= -127, exact
         byte = bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
-        scale = bits.ldexp_exact(jnp.ones_like(amax), byte - bits.EXPONENT_BIAS)
+        scale = bits.ldexp_exact(
+            bits.filled_like(amax, 1.0, jnp.float32), byte - bits.EXPONENT_BIAS
+        )
     exponent = amax_bits >> bits.MANTISSA_BITS
     # zero tested field by field: XLA:CPU may turn `bits == 0` into a float compare, which
     # treats a subnormal amax as zero

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 
+from jaxmx._src.core.explicit_axes import on_context_mesh
 from jaxmx._src.core.recipes import Recipe
 
 __all__ = [
@@ -237,8 +238,10 @@ def observe(recipe: Recipe, lhs: Leg, rhs: Leg, default_name: str = "dot_general
     """Reports a GEMM's forward legs to the active observer, under the current
     :func:`gemm_name`; returns its :class:`Tap`, or ``None`` (no observer, or it records no
     backward legs for this GEMM). Outside an :func:`observing` block this adds nothing to the
-    program."""
+    program. The tap's value is typed on the GEMM's mesh (:func:`on_context_mesh`: a GEMM on
+    Explicit mesh axes runs with them switched to Auto), so its cotangent matches its type."""
     obs = _observer.get()
     if obs is None:
         return None
-    return obs.forward_legs(gemm_name(default_name), recipe, lhs, rhs)
+    tap = obs.forward_legs(gemm_name(default_name), recipe, lhs, rhs)
+    return None if tap is None else tap._replace(value=on_context_mesh(tap.value))

@@ -80,6 +80,7 @@ def needs_check(a: MXArray | GridArray, b: MXArray | GridArray) -> bool:
 
 
 _NO_TERM = -(2**20)  # the frame exponent of an entry no nonzero block product has reached yet
+_NAN_EXPONENT = 2**12  # a NaN scale's exponent: any pair's sum is past 2 * 127
 
 
 @jax.jit
@@ -88,8 +89,8 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
     left out) from one dot per block of K, each rescaled exactly: see the module docstring.
     Operands as for :func:`~jaxmx._src.gemm.emulate.emulated_matmul`, with at least one block
     of K; either may be blocked along its last axis or (K-first) along the one before."""
-    a_values, a_exponent, a_nan = _blocks(a)
-    b_values, b_exponent, b_nan = _blocks(b)
+    a_values, a_exponent = _blocks(a)
+    b_values, b_exponent = _blocks(b)
     a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked values and of the exponents
     batch = tuple(range(a.data.ndim - 2))
     dims = (((a_kb,), (b_kb,)), (batch, batch))  # the block's elements sit where KB was
@@ -99,12 +100,10 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
         a_block = lax.dynamic_index_in_dim(a_values, i, a_kb, keepdims=False)
         b_block = lax.dynamic_index_in_dim(b_values, i, b_kb, keepdims=False)
         out = lax.dot_general(a_block, b_block, dims, preferred_element_type=jnp.float32)
-        a_e, b_e, a_n, b_n = (
-            lax.dynamic_index_in_dim(x, i, kb, keepdims=False)
-            for x, kb in ((a_exponent, a_kb), (b_exponent, b_kb), (a_nan, a_kb), (b_nan, b_kb))
-        )
-        out = bits.where(a_n[..., :, None] | b_n[..., None, :], jnp.nan, out)  # a NaN scale
+        a_e = lax.dynamic_index_in_dim(a_exponent, i, a_kb, keepdims=False)
+        b_e = lax.dynamic_index_in_dim(b_exponent, i, b_kb, keepdims=False)
         exponent = a_e[..., :, None] + b_e[..., None, :]
+        out = bits.where(exponent > 2 * bits.EXPONENT_BIAS, jnp.nan, out)  # a NaN scale
         new_frame = jnp.maximum(frame, bits.where(out != 0, exponent, _NO_TERM))
         return _down(total, frame - new_frame) + _down(out, exponent - new_frame), new_frame
 
@@ -134,24 +133,23 @@ def _rows(q) -> int:
     return q.data.shape[-1] if q.data_axis == q.data.ndim - 2 else q.data.shape[-2]
 
 
-def _blocks(q) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(unscaled values bfloat16, blocked as :func:`_blocked`; block exponents int32 and NaN
-    scales, shaped like ``q.scale``) of ``q``: E8M0 operands as element values and their scales'
-    exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are zeroed."""
+def _blocks(q) -> tuple[jax.Array, jax.Array]:
+    """(unscaled values float32, blocked as :func:`_blocked`; block exponents int32 shaped like
+    ``q.scale``, :data:`_NAN_EXPONENT` for a NaN scale) of ``q``: E8M0 operands as element values
+    and their scales' exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are
+    zeroed."""
     f, k = q.format, q.data_axis
     values = _blocked(q, element_values(q))
     if f.scale_kind.pow2:
         byte = scale_exponent_bytes(q.scale)
-        nan = byte == bits.E8M0_NAN
-        exponent = byte - bits.EXPONENT_BIAS
+        exponent = bits.where(byte == bits.E8M0_NAN, _NAN_EXPONENT, byte - bits.EXPONENT_BIAS)
     else:
         values, _ = rule_of(f).relative_to_rows(values, q.scale, k)
         exponent = jnp.zeros(q.scale.shape, jnp.int32)
-        nan = jnp.zeros(q.scale.shape, bool)
     if q.shape[q.axis] != q.data.shape[k]:
         shape = values.shape
         index = lax.broadcasted_iota(jnp.int32, shape, k) * f.block + lax.broadcasted_iota(
             jnp.int32, shape, k + 1
         )
         values = bits.where(index < q.shape[q.axis], values, 0)
-    return values.astype(jnp.bfloat16), exponent, nan
+    return values, exponent

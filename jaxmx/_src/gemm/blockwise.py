@@ -43,7 +43,8 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize.codec import scale_exponent_bytes
+from jaxmx._src.core.vma import vary_like
+from jaxmx._src.quantize.codec import decode_elements, scale_exponent_bytes
 from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import relative_exponents, rule_of
 
@@ -83,22 +84,46 @@ _NO_TERM = -(2**20)  # the frame exponent of an entry no nonzero block product h
 _NAN_EXPONENT = 2**12  # a NaN scale's exponent: any pair's sum is past 2 * 127
 
 
+_ROW_CHUNK = 8  # rows of ``a`` the exact path sums at a time (its temporaries: [8, N])
+
+
 @jax.jit
 def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Array:
     """float32 ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` (NVFP4's tensor scales
     left out) from one dot per block of K, each rescaled exactly: see the module docstring.
     Operands as for :func:`~jaxmx._src.gemm.emulate.emulated_matmul`, with at least one block
     of K; either may be blocked along its last axis or (K-first) along the one before."""
-    a_values, a_exponent = _blocks(a)
-    b_values, b_exponent = _blocks(b)
-    a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked values and of the exponents
+    shape = (*a.data.shape[: a.data.ndim - 2], _rows(a), _rows(b))
+    return exact_into(vary_like(jnp.zeros(shape, jnp.float32), *jax.tree.leaves((a, b))), a, b)
+
+
+def exact_into(out: jax.Array, a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Array:
+    """``out`` (float32 [..., M, N]) overwritten, :data:`_ROW_CHUNK` rows at a time, with
+    :func:`blockwise_matmul`'s result: the exact path's temporaries are those of a few rows, and
+    it writes in place into a result it is given (the fast path's, which it replaces)."""
+    m = _rows(a)
+    size = min(m, _ROW_CHUNK)
+    a_exponent, b_exponent = _exponents(a), _exponents(b)
+
+    def chunk(j, out):
+        start = jnp.minimum(j * size, m - size)  # the last chunk may overlap the one before
+        rows = _sum_blocks(a, b, a_exponent, b_exponent, (start, size))
+        return lax.dynamic_update_slice_in_dim(out, rows, start, axis=out.ndim - 2)
+
+    return lax.fori_loop(0, -(-m // size), chunk, out)
+
+
+def _sum_blocks(a, b, a_exponent, b_exponent, rows) -> jax.Array:
+    """float32 [..., size, N]: the exact sum over K for the rows ``(start, size)`` of ``a``."""
+    a_kb, b_kb = a.data_axis, b.data_axis  # the KB axis of the blocked codes and of the scales
     batch = tuple(range(a.data.ndim - 2))
-    dims = (((a_kb,), (b_kb,)), (batch, batch))  # the block's elements sit where KB was
+    # a block (its KB axis of size 1 and its elements) is contracted; the rows stay
+    dims = (((a_kb, a_kb + 1), (b_kb, b_kb + 1)), (batch, batch))
+    a_exponent = lax.dynamic_slice_in_dim(a_exponent, *rows, _row_axis(a))
 
     def step(i, carry):  # carry: the sum so far as ``total * 2^frame``
         total, frame = carry
-        a_block = lax.dynamic_index_in_dim(a_values, i, a_kb, keepdims=False)
-        b_block = lax.dynamic_index_in_dim(b_values, i, b_kb, keepdims=False)
+        a_block, b_block = _block(a, i, rows), _block(b, i)
         out = lax.dot_general(a_block, b_block, dims, preferred_element_type=jnp.float32)
         a_e = lax.dynamic_index_in_dim(a_exponent, i, a_kb, keepdims=False)
         b_e = lax.dynamic_index_in_dim(b_exponent, i, b_kb, keepdims=False)
@@ -107,9 +132,11 @@ def blockwise_matmul(a: MXArray | GridArray, b: MXArray | GridArray) -> jax.Arra
         new_frame = jnp.maximum(frame, bits.where(out != 0, exponent, _NO_TERM))
         return _down(total, frame - new_frame) + _down(out, exponent - new_frame), new_frame
 
-    out_shape = (*a_values.shape[: len(batch)], _rows(a), _rows(b))
-    # -0 + x is x for every x, -0 included: the sum's sign of zero is IEEE's
-    start = (jnp.full(out_shape, -0.0, jnp.float32), jnp.full(out_shape, _NO_TERM, jnp.int32))
+    shape = (*a.data.shape[: len(batch)], rows[1], _rows(b))
+    # -0 + x is x for every x, -0 included: the sum's sign of zero is IEEE's. The carry varies
+    # over the shard_map axes the operands vary over (as the loop body's results do).
+    start = (jnp.full(shape, -0.0, jnp.float32), jnp.full(shape, _NO_TERM, jnp.int32))
+    start = tuple(vary_like(x, *jax.tree.leaves((a, b))) for x in start)
     total, frame = lax.fori_loop(0, a.scale.shape[a_kb], step, start)
     return bits.ldexp_rounded(total, frame)
 
@@ -133,23 +160,37 @@ def _rows(q) -> int:
     return q.data.shape[-1] if q.data_axis == q.data.ndim - 2 else q.data.shape[-2]
 
 
-def _blocks(q) -> tuple[jax.Array, jax.Array]:
-    """(unscaled values float32, blocked as :func:`_blocked`; block exponents int32 shaped like
-    ``q.scale``, :data:`_NAN_EXPONENT` for a NaN scale) of ``q``: E8M0 operands as element values
-    and their scales' exponents; NVFP4 as ``code * s`` and exponent 0. Padding codes along K are
-    zeroed."""
+def _exponents(q) -> jax.Array:
+    """int32 block exponents shaped like ``q.scale``: an E8M0 scale's, :data:`_NAN_EXPONENT`
+    for a NaN scale; 0 for other scales (NVFP4's enter the block values)."""
+    if not q.format.scale_kind.pow2:
+        return jnp.zeros(q.scale.shape, jnp.int32)
+    byte = scale_exponent_bytes(q.scale)
+    return bits.where(byte == bits.E8M0_NAN, _NAN_EXPONENT, byte - bits.EXPONENT_BIAS)
+
+
+def _row_axis(q) -> int:
+    """The rows' axis of ``q``'s scales (and exponents); in its blocked codes, one more for a
+    K-first operand (whose rows follow the block's elements)."""
+    return q.data.ndim - 1 if q.data_axis == q.data.ndim - 2 else q.data.ndim - 2
+
+
+def _block(q, i, rows=None) -> jax.Array:
+    """Block ``i`` of K of ``q`` (of the rows ``(start, size)`` if given) as bfloat16 values,
+    its KB axis kept (size 1): E8M0 operands' element values, NVFP4's ``code * s``; codes in the
+    padding of K zeroed."""
     f, k = q.format, q.data_axis
-    values = _blocked(q, element_values(q))
-    if f.scale_kind.pow2:
-        byte = scale_exponent_bytes(q.scale)
-        exponent = bits.where(byte == bits.E8M0_NAN, _NAN_EXPONENT, byte - bits.EXPONENT_BIAS)
-    else:
-        values, _ = rule_of(f).relative_to_rows(values, q.scale, k)
-        exponent = jnp.zeros(q.scale.shape, jnp.int32)
+    codes = lax.dynamic_index_in_dim(_blocked(q, q.data), i, k, keepdims=True)
+    k_first = k == q.data.ndim - 2
+    if rows is not None:
+        codes = lax.dynamic_slice_in_dim(codes, *rows, _row_axis(q) + k_first)
+    values = codes if isinstance(q, GridArray) else decode_elements(codes, f)
+    if not f.scale_kind.pow2:
+        scale = lax.dynamic_index_in_dim(q.scale, i, k, keepdims=True)
+        if rows is not None:
+            scale = lax.dynamic_slice_in_dim(scale, *rows, _row_axis(q))
+        values, _ = rule_of(f).relative_to_rows(values, scale, k)
     if q.shape[q.axis] != q.data.shape[k]:
-        shape = values.shape
-        index = lax.broadcasted_iota(jnp.int32, shape, k) * f.block + lax.broadcasted_iota(
-            jnp.int32, shape, k + 1
-        )
+        index = i * f.block + lax.broadcasted_iota(jnp.int32, values.shape, k + 1)
         values = bits.where(index < q.shape[q.axis], values, 0)
-    return values, exponent
+    return values.astype(jnp.bfloat16)

@@ -48,34 +48,46 @@ from jax import lax
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.gemm.blockwise import blockwise_matmul, fits_row_relative, needs_check
+from jaxmx._src.gemm.blockwise import exact_into, fits_row_relative, needs_check
 from jaxmx._src.quantize.fake import element_values
 from jaxmx._src.quantize.scales import rule_of
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def emulated_matmul(a: MXArray | GridArray, b: MXArray | GridArray, out_dtype) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def emulated_matmul(
+    a: MXArray | GridArray, b: MXArray | GridArray, out_dtype, exact: bool = True
+) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX operands.
 
     ``a`` is [..., M, K] or [..., K, M] and ``b`` [..., N, K] or [..., K, N], each blocked along
     K; they are contracted in their own layouts (no transposes). Either may be a
     :class:`~jaxmx._src.core.grid_array.GridArray` (element values instead of codes: the same
     result, bit for bit, without decoding codes). Jitted, so eager callers run one compiled
-    kernel.
+    kernel. ``exact``: take the exact path where the operands' scales span more than the
+    row-relative frame keeps (:func:`exact_or_row_relative`); without it, the frame only.
     """
-
-    out = exact_or_row_relative(a, b, _row_relative_matmul)
+    if exact:
+        out = exact_or_row_relative(a, b, _row_relative_matmul)
+    else:
+        out = _row_relative_matmul(a, b)
     return with_tensor_scales(out, a, b).astype(out_dtype)
 
 
 def exact_or_row_relative(a, b, row_relative) -> jax.Array:
     """``row_relative(a, b)`` (a float32 GEMM on row-relative operands, before the tensor
-    scales) where its products are exact (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`),
-    else :func:`~jaxmx._src.gemm.blockwise.blockwise_matmul`: a ``lax.cond`` on the operands'
-    scales (under ``vmap`` a select, so both run)."""
+    scales), replaced in place by :func:`~jaxmx._src.gemm.blockwise.exact_into` where its
+    products are not all exact (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`): a
+    ``lax.while_loop`` of zero or one trip on the operands' scales (under ``vmap``, one trip
+    where any mapped GEMM needs it)."""
+    out = row_relative(a, b)
     if not needs_check(a, b):
-        return row_relative(a, b)
-    return lax.cond(fits_row_relative(a, b), row_relative, blockwise_matmul, a, b)
+        return out
+
+    def exact(state):
+        done, out = state
+        return done | True, exact_into(out, a, b)
+
+    return lax.while_loop(lambda state: ~state[0], exact, (fits_row_relative(a, b), out))[1]
 
 
 def _row_relative_matmul(a, b) -> jax.Array:

@@ -58,7 +58,7 @@ from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.matmul import FORWARD_KERNELS, KERNELS
+from jaxmx._src.gemm.matmul import FORWARD_KERNELS, TRAINING_KERNELS
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import quantize
@@ -574,7 +574,7 @@ def _gemm(
                 q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=to_values
             )
 
-        run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
+        run = (FORWARD_KERNELS if forward else TRAINING_KERNELS)[kernel]
         return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
 
     if len(chosen) == 1 and _gathers_8bit(chosen["default"]):

@@ -59,7 +59,7 @@ from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
-from jaxmx._src.gemm.matmul import FORWARD_KERNELS, KERNELS
+from jaxmx._src.gemm.matmul import FORWARD_KERNELS, TRAINING_KERNELS
 from jaxmx._src.gemm.partitioning import plan, reduced, spec_of
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.quantize import quantize
@@ -142,7 +142,7 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
 def _partitioned(
     kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool, liked: bool
 ):
-    run = (FORWARD_KERNELS if forward else KERNELS)[kernel]
+    run = (FORWARD_KERNELS if forward else TRAINING_KERNELS)[kernel]
     to_values = kernel == "emulate_values"
 
     def operand(side: _Side, arrays, gathers):

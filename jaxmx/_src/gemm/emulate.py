@@ -12,8 +12,9 @@ even, so a result in float32's subnormal range is kept (XLA:CPU would flush the 
 and equals the native GEMM's bit for bit where the float32 dot is exact (e.g. one block of K).
 Where a row's blocks lie so far below its largest that, together with the other operand's,
 a product could leave float32's normal range in that frame (the scales compensating across
-the operands, say), the GEMM runs :mod:`~jaxmx._src.gemm.blockwise` instead, chosen by a
-``lax.cond`` on the scales: exact (up to float32 summation) for every pair of E8M0 scale rows.
+the operands, say), ``exact=True`` (``jaxmx.matmul``) replaces the result with
+:mod:`~jaxmx._src.gemm.blockwise`'s, chosen on the scales: exact (up to float32 summation) for
+every pair of E8M0 scale rows; the training GEMMs keep the frame only.
 Codes in the padding of a K that is not a multiple of the block are ignored, whatever they
 hold.
 

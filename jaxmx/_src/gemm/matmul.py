@@ -142,10 +142,16 @@ KERNELS = _kernels(exact=True)
 """Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
 accumulation) -> out``: what :func:`jaxmx.matmul` runs, exact for every E8M0 scale span."""
 
-TRAINING_KERNELS = _kernels(exact=False)
-""":data:`KERNELS` for the training GEMMs (``dot_general``, ``ragged_dot``, FSDP): the
-emulation and ``xla`` in their row-relative frame only (docs/native.md: the exact path's check
-and branch would double the step's compile time and raise its temporaries above bfloat16's)."""
+_FRAME_ONLY = _kernels(exact=False)
+TRAINING_KERNELS = {
+    **KERNELS,
+    "emulate": _FRAME_ONLY["emulate"],
+    "emulate_values": _FRAME_ONLY["emulate_values"],
+}
+""":data:`KERNELS` for the training GEMMs (``dot_general``, ``ragged_dot``, FSDP): the MX
+emulation (``"emulate"``, ``"emulate_values"``) in its row-relative frame only, the others as
+:data:`KERNELS` (docs/native.md: in every MX training step the exact path's check and branch
+would double the compile time and raise the step's temporaries above bfloat16's)."""
 
 FORWARD_KERNELS = {
     **TRAINING_KERNELS,

@@ -13,7 +13,7 @@ changes that make the decomposition give the emulation's bits (:mod:`~jaxmx._src
   bfloat16 (a scale of ``2^127`` times an element of 448 would), and every product is the
   emulation's. Operands whose scales span more than that frame keeps exactly
   (:func:`~jaxmx._src.gemm.blockwise.fits_row_relative`) take the emulation's exact blockwise
-  path instead (a ``lax.cond``), so the result is the emulation's there too; a block more than
+  path instead, so the result is the emulation's there too; a block more than
   ``2^127`` below its row's largest then holds only zeros or sits under a NaN scale, and enters
   as zero codes (NaN scales stay NaN).
 - Codes in the padding of a K that is not a multiple of the block are zeroed, whatever they

@@ -102,6 +102,8 @@ def exact_into(out: jax.Array, a: MXArray | GridArray, b: MXArray | GridArray) -
     :func:`blockwise_matmul`'s result: the exact path's temporaries are those of a few rows, and
     it writes in place into a result it is given (the fast path's, which it replaces)."""
     m = _rows(a)
+    if m == 0 or _rows(b) == 0:
+        return out
     size = min(m, _ROW_CHUNK)
     a_exponent, b_exponent = _exponents(a), _exponents(b)
 

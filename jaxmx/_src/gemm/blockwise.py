@@ -13,15 +13,16 @@ operands (an ``lhs`` row with blocks at ``2^73`` and ``2^-67`` against an ``rhs`
 
 :func:`fits_row_relative` decides it from the scales and one nonzero test per block (only
 blocks holding a nonzero element count, so an all-zero block at ``2^-127`` does not), and
-:func:`blockwise_matmul` is the exact path taken otherwise: one float32 dot per block of K
-(``sum`` over 32 elements of ``code_a * code_b``, exact products), each multiplied by
-``2^(e_a + e_b)`` on the float32 bits with one rounding (overflow to ``inf``), summed in
-float32 over the blocks in a frame that follows the largest nonzero term so far (the running
-sum is moved, exactly, when a later block's exponent is larger), and rounded once when the frame
-is applied at the end. Every partial sum then lies below ``2^37`` times the number of blocks (no
-intermediate overflow: a result past float32's range is ``inf`` of the exact sum's sign), and
-what a partial sum flushes lies below ``2^-126`` of the frame, at most ``2^-94`` of the largest
-product's magnitude. With one block of K it is the float32 dot rounded once.
+:func:`exact_into` (:func:`blockwise_matmul` on its own) is the exact path taken otherwise:
+one float32 dot per block of K (``sum`` over 32 elements of ``code_a * code_b``, exact
+products), each scaled by ``2^(e_a + e_b)`` relative to a frame that follows the largest
+nonzero term so far (the running sum is moved, exactly, when a later block's exponent is
+larger), summed in float32, and rounded once when the frame is applied at the end; a few rows
+of ``a`` at a time, each block decoded where the loop reads it. Every partial sum then lies
+below ``2^37`` times the number of blocks (no intermediate overflow: a result past float32's
+range is ``inf`` of the exact sum's sign), and what a partial sum flushes lies below ``2^-126``
+of the frame, at most ``2^-94`` of the largest product's magnitude. With one block of K it
+is the float32 dot rounded once.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx

@@ -112,41 +112,26 @@ def _native(a: MXArray, b: MXArray, out_dtype, fast_accum: bool = False) -> jax.
     return native.mx_matmul(untiled(a), untiled(b), out_dtype)
 
 
-def _kernels(exact: bool) -> dict:
-    """The kernels, with the emulation's and ``xla``'s exact path for every E8M0 scale span
-    (``exact``) or their row-relative frame only."""
-    return {
-        "emulate": lambda a, b, out_dtype, _: emulated_matmul(
-            untiled(a), untiled(b), out_dtype, exact=exact
-        ),
-        "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype, exact=exact),
-        "emulate_pow2_twin": lambda a, b, out_dtype, _: emulated_matmul(
-            as_mx(a), as_mx(b), out_dtype, exact=exact
-        ),
-        "dequantized": lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
-        "limited": lambda a, b, out_dtype, acc: limited_matmul(
-            untiled(a), untiled(b), out_dtype, acc
-        ),
-        "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),
-        "native_pow2_twin": lambda a, b, out_dtype, _: _native(as_mx(a), as_mx(b), out_dtype),
-        "xla": lambda a, b, out_dtype, _: scaled_dot_matmul(
-            untiled(a), untiled(b), out_dtype, exact=exact
-        ),
-        "xla_pow2_twin": lambda a, b, out_dtype, _: scaled_dot_matmul(
-            as_mx(a), as_mx(b), out_dtype, exact=exact
-        ),
-    }
-
-
-KERNELS = _kernels(exact=True)
+KERNELS = {
+    "emulate": lambda a, b, out_dtype, _: emulated_matmul(untiled(a), untiled(b), out_dtype),
+    "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
+    "emulate_pow2_twin": lambda a, b, out_dtype, _: emulated_matmul(as_mx(a), as_mx(b), out_dtype),
+    "dequantized": lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
+    "limited": lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
+    "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),
+    "native_pow2_twin": lambda a, b, out_dtype, _: _native(as_mx(a), as_mx(b), out_dtype),
+    "xla": lambda a, b, out_dtype, _: scaled_dot_matmul(untiled(a), untiled(b), out_dtype),
+    "xla_pow2_twin": lambda a, b, out_dtype, _: scaled_dot_matmul(as_mx(a), as_mx(b), out_dtype),
+}
 """Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
 accumulation) -> out``: what :func:`jaxmx.matmul` runs, exact for every E8M0 scale span."""
 
-_FRAME_ONLY = _kernels(exact=False)
 TRAINING_KERNELS = {
     **KERNELS,
-    "emulate": _FRAME_ONLY["emulate"],
-    "emulate_values": _FRAME_ONLY["emulate_values"],
+    "emulate": lambda a, b, out_dtype, _: emulated_matmul(
+        untiled(a), untiled(b), out_dtype, exact=False
+    ),
+    "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype, exact=False),
 }
 """:data:`KERNELS` for the training GEMMs (``dot_general``, ``ragged_dot``, FSDP): the MX
 emulation (``"emulate"``, ``"emulate_values"``) in its row-relative frame only, the others as

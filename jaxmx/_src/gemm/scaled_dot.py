@@ -50,11 +50,11 @@ MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
 """The smallest exponent an E8M0 scale holds (``2^-127``, the byte 0)."""
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype, exact: bool = True) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=2)
+def scaled_dot_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
     """``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on checked MX or NVFP4 operands in
     1-D blocks ([..., M, K] or [..., K, M], and likewise ``b``), through ``lax.scaled_dot``."""
-    out = exact_or_row_relative(a, b, _scaled_dot) if exact else _scaled_dot(a, b)
+    out = exact_or_row_relative(a, b, _scaled_dot)
     return with_tensor_scales(out, a, b).astype(out_dtype)
 
 

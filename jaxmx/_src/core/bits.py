@@ -264,7 +264,7 @@ def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jn
     return where(exponent == 0xFF, E8M0_NAN, byte)
 
 
-def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
+def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray, axis: int | None = None) -> jnp.ndarray:
     """``x * 2**k`` for float32 x and integer k in [-127, 127], exact for subnormal x (k below
     -127 gives zero: the NaN-scale blocks' ``k = -128``).
 
@@ -273,13 +273,14 @@ def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     (the largest block exponent where emax is 0: MXINT8) is applied to the exponent field, as
     no float32 factor (nor a product of two, which XLA may fold) is 2^-127 without flushing.
     """
+    per_element = (lambda v: v) if axis is None else (lambda v: jnp.expand_dims(v, axis))
     bits = to_bits(x)
     is_subnormal = (bits & 0x7F800000) == 0
     magnitude = (bits & MANTISSA_MASK).astype(jnp.float32)  # the subnormal as an integer * 2^-149
-    from_subnormal = where(bits < 0, -magnitude, magnitude) * pow2(k - 149)
+    from_subnormal = where(bits < 0, -magnitude, magnitude) * per_element(pow2(k - 149))
     exponent = (bits >> MANTISSA_BITS) & 0xFF
-    by_field = (k == -127) & (exponent > 127) & (exponent < 0xFF)  # the result is normal
-    normal = where(by_field, from_bits(bits - (127 << MANTISSA_BITS)), x * pow2(k))
+    by_field = per_element(k == -127) & (exponent > 127) & (exponent < 0xFF)  # a normal result
+    normal = where(by_field, from_bits(bits - (127 << MANTISSA_BITS)), x * per_element(pow2(k)))
     return where(is_subnormal, from_subnormal, normal)
 
 

@@ -50,14 +50,14 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
         # amax. Reducing the bytes makes the reduction output the final per-block value, and the
         # element fusion no longer recomputes the scale rule for each of its elements: ~20%
         # faster on XLA:CPU, identical bytes. (For blocks along another axis it is slower.)
-        byte = jnp.max(byte_of(magnitude_bits), axis=2, keepdims=True)
+        byte = jnp.max(byte_of(magnitude_bits), axis=2)
     else:
-        byte = byte_of(jnp.max(magnitude_bits, axis=2, keepdims=True))
+        byte = byte_of(jnp.max(magnitude_bits, axis=2))
     exponent = bits.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
-    scaled = bits.scale_by_pow2(xb, -exponent)
+    scaled = bits.scale_by_pow2(xb, -exponent, axis=2)
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
-    return byte, jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return jnp.expand_dims(byte, 2), jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
 def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
@@ -147,11 +147,11 @@ class _E8M0Rule:
         finite scale ``2^s`` (so at most ``elem_max``), exact, subnormals included; NaN in a
         block with the NaN scale. ``s`` is int32, shaped like the rows."""
         relative, row_max, nan = relative_exponents(scale, k)
-        relative, nan = jnp.expand_dims(relative, k + 1), jnp.expand_dims(nan, k + 1)
-        # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero)
-        scaled = values * bits.pow2(jnp.maximum(relative, -126))
-        scaled = scaled * bits.pow2(jnp.minimum(relative + 126, 0))
-        scaled = bits.where(nan, jnp.nan, scaled)
+        # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero);
+        # computed per block and only then expanded over the block's elements
+        high = jnp.expand_dims(bits.pow2(jnp.maximum(relative, -126)), k + 1)
+        low = jnp.expand_dims(bits.pow2(jnp.minimum(relative + 126, 0)), k + 1)
+        scaled = bits.where(jnp.expand_dims(nan, k + 1), jnp.nan, values * high * low)
         return scaled, row_max
 
 

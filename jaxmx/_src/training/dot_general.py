@@ -381,6 +381,9 @@ def _fprop(static: _Static, x, w):
         return _gemm(r, lhs, rhs, static.out_dtype, forward=True)
 
     y = opaque(gemm, x, w).reshape(static.out_shape)
+    # The barrier keeps the reshape from [B, M, N] where it is: XLA's reshape mover would
+    # otherwise sink it through the caller's elementwise chain one op per simplification pass
+    # (a GELU's took the MXFP8 demo step's passes to XLA's limit of 25; docs/benchmarks.md).
     return lax.optimization_barrier(presented_as_dot(y, static.n_batch))
 
 

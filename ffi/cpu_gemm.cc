@@ -229,7 +229,7 @@ ffi::Error RunGemm(const char* target, ScaleKind kind, ffi::AnyBuffer lhs, ffi::
   const int64_t mn = p.m * p.n;
   for (int64_t g = 0; g < p.batch; ++g) {
     Operands op{a + g * p.m * p.k, b + g * p.n * p.k, nullptr, nullptr, 1.0};
-    if (kind == ScaleKind::kBlockE8M0) {
+    if (kind == ScaleKind::kE8m0) {
       op.lhs_scale = static_cast<const uint8_t*>(lhs_scale.untyped_data()) + g * p.lhs_scale_stride;
       op.rhs_scale = static_cast<const uint8_t*>(rhs_scale.untyped_data()) + g * p.rhs_scale_stride;
     } else {
@@ -259,7 +259,7 @@ ffi::Error BlockFp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::An
                                  ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::AnyBuffer> /*workspace*/, bool lhs_tiled,
                                  bool rhs_tiled) {
-  auto checked = CheckGemm("jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, lhs, rhs, lhs_scale,
+  auto checked = CheckGemm("jaxmx_block_fp8_matmul", ScaleKind::kFloat32, lhs, rhs, lhs_scale,
                            rhs_scale, *out, ScaleTiles{lhs_tiled, rhs_tiled});
   if (checked.has_error()) return checked.error();
   const GemmProblem& p = *checked;
@@ -357,7 +357,7 @@ ffi::Error MxMatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuffe
                            ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> /*workspace: used by cuBLASLt only*/,
                            bool lhs_k_first, bool rhs_k_first) {
-  return RunGemm("jaxmx_mx_matmul", ScaleKind::kBlockE8M0, lhs, rhs, lhs_scale, rhs_scale, out,
+  return RunGemm("jaxmx_mx_matmul", ScaleKind::kE8m0, lhs, rhs, lhs_scale, rhs_scale, out,
                  KFirst{lhs_k_first, rhs_k_first});
 }
 
@@ -365,7 +365,8 @@ ffi::Error Fp8MatmulCpuImpl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::AnyBuff
                             ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> /*workspace*/,
                             bool /*fast_accum: a cuBLASLt speed knob; the CPU sums in float32*/) {
-  return RunGemm("jaxmx_fp8_matmul", ScaleKind::kTensorF32, lhs, rhs, lhs_scale, rhs_scale, out);
+  return RunGemm("jaxmx_fp8_matmul", ScaleKind::kFloat32Current, lhs, rhs, lhs_scale, rhs_scale,
+                 out);
 }
 
 }  // namespace

@@ -158,9 +158,9 @@ enum class Stage { kInitialize, kExecute };
 
 LtScaling Scaling(ScaleKind kind) {
   switch (kind) {
-    case ScaleKind::kBlockE8M0:
+    case ScaleKind::kE8m0:
       return LtScaling::kBlockVec32E8M0;
-    case ScaleKind::kBlockF32:
+    case ScaleKind::kFloat32:
       return LtScaling::kBlockF32;
     default:
       return LtScaling::kTensorF32;
@@ -223,7 +223,7 @@ ffi::Error MxMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs,
                         ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                         bool lhs_k_first, bool rhs_k_first) {
-  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kBlockE8M0, false, {},
+  return GemmCuda(stage, "jaxmx_mx_matmul", ScaleKind::kE8m0, false, {},
                   KFirst{lhs_k_first, rhs_k_first}, stream, device, lhs, rhs, lhs_scale, rhs_scale,
                   out, workspace);
 }
@@ -233,7 +233,7 @@ ffi::Error Fp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer lhs
                          ffi::AnyBuffer rhs, ffi::AnyBuffer lhs_scale, ffi::AnyBuffer rhs_scale,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                          bool fast_accum) {
-  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kTensorF32, fast_accum, {}, {}, stream,
+  return GemmCuda(stage, "jaxmx_fp8_matmul", ScaleKind::kFloat32Current, fast_accum, {}, {}, stream,
                   device, lhs, rhs, lhs_scale, rhs_scale, out, workspace);
 }
 
@@ -243,7 +243,7 @@ ffi::Error BlockFp8MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffe
                               ffi::AnyBuffer rhs_scale, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> workspace, bool lhs_tiled,
                               bool rhs_tiled) {
-  return GemmCuda(stage, "jaxmx_block_fp8_matmul", ScaleKind::kBlockF32, false,
+  return GemmCuda(stage, "jaxmx_block_fp8_matmul", ScaleKind::kFloat32, false,
                   ScaleTiles{lhs_tiled, rhs_tiled}, {}, stream, device, lhs, rhs, lhs_scale,
                   rhs_scale, out, workspace);
 }

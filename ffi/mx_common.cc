@@ -212,14 +212,14 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
   if (!IsGemmOutput(p.out_type))
     return Invalid(target, std::string("the output must be bfloat16, float16 or float32, got ") +
                                DataTypeName(p.out_type));
-  if ((k_first.lhs || k_first.rhs) && kind != ScaleKind::kBlockE8M0)
+  if ((k_first.lhs || k_first.rhs) && kind != ScaleKind::kE8m0)
     return Invalid(target, "only the MX GEMM takes K-first ([..., K, rows]) operands");
   auto shaped = CheckShapes(target, p, lhs, rhs, out, k_first);
   if (shaped.has_error()) return shaped;
   p = *shaped;
   const auto ld = lhs.dimensions();
 
-  if (kind == ScaleKind::kBlockE8M0) {
+  if (kind == ScaleKind::kE8m0) {
     if (p.k % kBlock != 0)
       return Invalid(target, "K must be a multiple of 32 for MX block scaling, got K = " +
                                  std::to_string(p.k));
@@ -227,7 +227,7 @@ ffi::ErrorOr<GemmProblem> CheckGemm(const char* target, ScaleKind kind, const ff
                                {ffi::DataType::U8, ffi::DataType::F8E8M0FNU},
                                "uint8 or float8_e8m0fnu");
   }
-  if (kind == ScaleKind::kBlockF32)
+  if (kind == ScaleKind::kFloat32)
     return CheckBlockF32Scales(target, p, ld, lhs_scale, rhs_scale, tiles);
   const ffi::AnyBuffer* scales[2] = {&lhs_scale, &rhs_scale};
   const char* names[2] = {"lhs", "rhs"};

@@ -131,9 +131,11 @@ struct KFirst {
   bool lhs = false, rhs = false;
 };
 
-// kBlockE8M0: MX, swizzled E8M0 bytes per 32 elements along K; kTensorF32: one float32 per
-// operand and GEMM; kBlockF32: block FP8, float32 per 1x128 block or 128x128 tile (layout.h).
-enum class ScaleKind { kBlockE8M0, kTensorF32, kBlockF32 };
+// The scale kinds of the GEMMs' operands, named as Python's (jaxmx/_src/core/formats.py:
+// ScaleKind.name "e8m0", "float32_current", "float32"). kE8m0: MX, swizzled E8M0 bytes per 32
+// elements along K; kFloat32Current: one float32 per operand and GEMM (per-tensor FP8);
+// kFloat32: block FP8, float32 per 1x128 block or 128x128 tile (layout.h).
+enum class ScaleKind { kE8m0, kFloat32Current, kFloat32 };
 
 // Block FP8: which operands have one scale per 128x128 tile (the others per 1x128 block).
 struct ScaleTiles {

@@ -172,7 +172,7 @@ def test_nvfp4_rowwise_colwise_swizzled(scale_exponent):
         np.testing.assert_array_equal(np.asarray(buf), want)
         assert want.shape == (256 * 12,)
         # the layout the native FP4 GEMM hands cuBLASLt (its scales, K padded to 32, swizzled)
-        fed = jaxmx.swizzle_scales(native._fp4_scales(q))
+        fed = jaxmx.swizzle_scales(native.fp4_scales(q))
         np.testing.assert_array_equal(np.asarray(buf), np.asarray(fed))
     key = jax.random.key(6)
     _both(jaxmx.quantize_rowwise_colwise, x[:40], "nvfp4", key=key, swizzled_scales=True)

@@ -19,9 +19,12 @@ per-tensor FP8     the one copy's codes in forward and again in backward; the am
                    ``lax.pmax``-ed over ``axis_name`` so every shard uses the global scale
 =================  =============================================================================
 
-The GEMMs are :mod:`jaxmx._src.training.dot_general`'s: the same kernels and copies, so the
-loss and gradients equal the single-device :func:`jaxmx.dot_general` step (the weight
-gradient to float32 rounding: the reduce-scatter adds the shards' partial sums).
+The GEMMs are :func:`jaxmx.dot_general`'s (:mod:`jaxmx._src.training.contract`): the same
+kernels and copies, so the loss and gradients equal the single-device :func:`jaxmx.dot_general`
+step (the weight gradient to float32 rounding: the reduce-scatter adds the shards' partial
+sums). Inside :func:`jaxmx.diagnostics.telemetry` (entered inside ``shard_map``) it records its
+four legs as the tensors of all devices together, gathered over ``axis_name`` in high precision
+for the observer only (default name ``fsdp_dot_general``): the single-device step's report.
 """
 
 from __future__ import annotations

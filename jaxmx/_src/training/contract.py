@@ -12,8 +12,9 @@ A training GEMM (:func:`jaxmx.dot_general`, :func:`jaxmx.ragged_dot`,
   :func:`per_tensor`: whether one copy serves every axis);
 - :func:`gemm`: one GEMM on the kernels the dispatcher chooses, :func:`fprop`: the forward GEMM
   as remat policies see a stock ``lax.dot_general``;
-- :func:`named`: a saved residual under its remat name (:data:`LHS_COLWISE`, ...),
-  :func:`vma_like`: a cotangent typed like its primal inside ``shard_map``;
+- :func:`named` and :func:`named_input`: a saved residual under its remat name
+  (:data:`LHS_COLWISE`, ...); :func:`vma_like`: a cotangent typed like its primal inside
+  ``shard_map``;
 - :func:`observed` and :func:`observed_gradient`: the legs reported to the active observer
   (:mod:`jaxmx._src.training.scope`).
 
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxmx._src.core.dtypes import to_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits
 from jaxmx._src.core.recipes import Recipe
@@ -300,6 +302,12 @@ def named(q: MXArray, name: str) -> MXBits:
     """``q`` as saved for the backward pass: its arrays as bits (:func:`as_bits`, so that
     ``lax.scan`` stacks them in place), named ``name`` for remat policies."""
     return jax.tree.map(lambda a: checkpoint_name(a, name), as_bits(q))
+
+
+def named_input(x: jax.Array, name: str) -> jax.Array:
+    """A high-precision input as saved for the backward pass (``Recipe.residuals=
+    "high_precision"``): its bits (:func:`~jaxmx._src.core.dtypes.to_bits`), named ``name``."""
+    return checkpoint_name(to_bits(x), name)
 
 
 def vma_like(ct, primal):

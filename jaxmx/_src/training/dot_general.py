@@ -35,7 +35,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,7 +46,7 @@ from jaxmx._src.core.block_sharding import (
     shards,
 )
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits, to_bits
+from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, MXBits, along, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
@@ -66,6 +65,7 @@ from jaxmx._src.training.contract import (
     fprop,
     gemm,
     named,
+    named_input,
     observed,
     observed_gradient,
     per_tensor,
@@ -254,7 +254,7 @@ def _forward(static: Static, x, w, key, training: bool):
     if not training:
         return y, None
     if r.wgrad == "high_precision":
-        x_saved = checkpoint_name(to_bits(x), LHS_INPUT)
+        x_saved = named_input(x, LHS_INPUT)
     elif r.residuals == "quantized":
         if isinstance(x_fwd, MXArray):
             x_col = along(x_fwd, x.ndim - 2)
@@ -262,7 +262,7 @@ def _forward(static: Static, x, w, key, training: bool):
             x_col = quantized(_wgrad_input(x, r), axis=-2, **col)
         x_saved = named(x_col, LHS_COLWISE)
     else:
-        x_saved = checkpoint_name(to_bits(x), LHS_INPUT)
+        x_saved = named_input(x, LHS_INPUT)
     if r.residuals == "quantized":
         if r.weight_tile:
             w_col = w_fwd
@@ -272,7 +272,7 @@ def _forward(static: Static, x, w, key, training: bool):
             w_col = quantized(w, axis=along_n, **col)
         w_saved = named(w_col, RHS_COLWISE)
     else:
-        w_saved = checkpoint_name(to_bits(w), RHS_INPUT)
+        w_saved = named_input(w, RHS_INPUT)
     return y, ((x_saved, w_saved), key)
 
 

@@ -64,10 +64,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits, to_bits
+from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
@@ -86,6 +85,7 @@ from jaxmx._src.training.contract import (
     Operand,
     Static,
     named,
+    named_input,
     observed,
     observed_gradient,
 )
@@ -372,10 +372,10 @@ def _ragged_fwd(static: _Grouped, lhs, rhs, group_sizes, key, tap):
     elif isinstance(lhs, _Quantized):  # the input is the codes
         saved = (
             named(mx_from_bits(lhs.bits), LHS_INPUT),
-            checkpoint_name(to_bits(rhs), RHS_INPUT),
+            named_input(rhs, RHS_INPUT),
         )
     else:
-        saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
+        saved = (named_input(lhs, LHS_INPUT), named_input(rhs, RHS_INPUT))
     return y, (saved, group_sizes, key)
 
 

@@ -48,13 +48,8 @@ if TYPE_CHECKING:
     from jaxmx._src.quantize.requantize import requantize
     from jaxmx._src.serving.kv_cache import KVCache, cached_attention
     from jaxmx._src.training.attention import dot_product_attention
-    from jaxmx._src.training.dot_general import (
-        LHS_COLWISE,
-        LHS_INPUT,
-        RHS_COLWISE,
-        RHS_INPUT,
-        dot_general,
-    )
+    from jaxmx._src.training.contract import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
+    from jaxmx._src.training.dot_general import dot_general
     from jaxmx._src.training.einsum import einsum
     from jaxmx._src.training.expert_parallel import expert_parallel_ffn
     from jaxmx._src.training.fsdp import fsdp_dot_general
@@ -90,13 +85,8 @@ _SOURCES = {
         "jaxmx._src.quantize.requantize": ("requantize",),
         "jaxmx._src.serving.kv_cache": ("KVCache", "cached_attention"),
         "jaxmx._src.training.attention": ("dot_product_attention",),
-        "jaxmx._src.training.dot_general": (
-            "LHS_COLWISE",
-            "LHS_INPUT",
-            "RHS_COLWISE",
-            "RHS_INPUT",
-            "dot_general",
-        ),
+        "jaxmx._src.training.contract": ("LHS_COLWISE", "LHS_INPUT", "RHS_COLWISE", "RHS_INPUT"),
+        "jaxmx._src.training.dot_general": ("dot_general",),
         "jaxmx._src.training.einsum": ("einsum",),
         "jaxmx._src.training.expert_parallel": ("expert_parallel_ffn",),
         "jaxmx._src.training.fsdp": ("fsdp_dot_general",),

@@ -12,7 +12,9 @@ names, and the demo sits above everything. These tests read every module's impor
 - a lower layer importing a higher one;
 - a function-level import of a jaxmx module (the compiled extension ``jaxmx._ffi`` aside: a
   build may lack it, and :func:`jaxmx._src.gemm.extension.load` says why);
-- a ``jax._src`` import outside :data:`JAX_PRIVATE_ALLOWED`.
+- a ``jax._src`` import outside :data:`JAX_PRIVATE_ALLOWED`;
+- a private name (one leading underscore) of another jaxmx module, imported
+  (``from module import _name``) or read (``module._name``): what modules share is public.
 
 The checker itself is tested on a planted package with each problem.
 """
@@ -47,6 +49,8 @@ FACADES = (
     "jaxmx.flax.nnx",
 )
 LAZY_ALLOWED = ("jaxmx._ffi",)
+# the compiled extension: a module whose name the build gives it, not a private name of a module
+PRIVATE_NAMES_ALLOWED = ("jaxmx._ffi",)
 JAX_PRIVATE_ALLOWED = {
     # the decode of the shardings XLA hands a custom_partitioning rule: no public API
     "jaxmx._src.gemm.partitioning": ("jax._src.sharding_impls",),
@@ -79,10 +83,7 @@ def imports(path: pathlib.Path, name: str, known: set[str]):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
-                base = f"{base}.{node.module}" if node.module else base
+            base = _resolved(node, package)
             targets = [
                 f"{base}.{alias.name}"
                 if f"{base}.{alias.name}" in known or base.startswith("jax._src")
@@ -93,6 +94,67 @@ def imports(path: pathlib.Path, name: str, known: set[str]):
             continue
         for target in targets:
             yield target, node.lineno, id(node) not in nested
+
+
+def _resolved(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module name of a ``from ... import`` (relative imports resolved)."""
+    base = node.module or ""
+    if node.level:
+        base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+        base = f"{base}.{node.module}" if node.module else base
+    return base
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` of a chain of attribute reads on a name, else ``None``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        inner = _dotted(node.value)
+        return None if inner is None else f"{inner}.{node.attr}"
+    return None
+
+
+def private_uses(path: pathlib.Path, name: str, root_package: str, known: set[str]):
+    """``(line, what)`` for each private name of another module of ``root_package`` that the
+    file imports (``from m import _x``) or reads as an attribute of an imported module
+    (``m._x``, ``pkg.m._x``); :data:`PRIVATE_NAMES_ALLOWED` aside."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    allowed = {m.replace("jaxmx", root_package, 1) for m in PRIVATE_NAMES_ALLOWED}
+    bound: dict[str, str] = {}  # local name -> the module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolved(node, package)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in known:
+                    bound[alias.asname or alias.name] = full
+                if _is_private(alias.name) and _in(base, root_package) and full not in allowed:
+                    yield node.lineno, f"imports the private name {alias.name} from {base}"
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+            continue
+        dotted = _dotted(node.value)
+        if dotted is None:
+            continue
+        head, _, rest = dotted.partition(".")
+        module = bound.get(head, "") + (f".{rest}" if rest else "")
+        submodule = f"{module}.{node.attr}" in known  # a dotted path: pkg._src.core
+        if module in known and _in(module, root_package) and module != name and not submodule:
+            yield node.lineno, f"reads the private name {node.attr} of {module}"
 
 
 def layer_of(module: str, package: str) -> int | None:
@@ -113,6 +175,9 @@ def problems(root: pathlib.Path, package: str = "jaxmx") -> list[str]:
     private_allowed = {k.replace("jaxmx", package, 1): v for k, v in JAX_PRIVATE_ALLOWED.items()}
     for module, path in found.items():
         where = f"{path.relative_to(root.parent)}"
+        out += [
+            f"{where}:{line}: {what}" for line, what in private_uses(path, module, package, known)
+        ]
         for target, line, top in imports(path, module, known):
             if target.startswith("jax._src"):
                 if target not in private_allowed.get(module, ()):
@@ -207,6 +272,27 @@ def test_the_checker_finds_a_planted_cycle(tmp_path):
     )
     assert problems(root, "pkg") == [
         "import cycle: pkg._src.core.a -> pkg._src.core.b -> pkg._src.core.c -> pkg._src.core.a"
+    ]
+
+
+def test_the_checker_finds_private_names_used_across_modules(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "_src/core/a.py": "_x = 1\ny = _x\n",
+            "_src/core/b.py": (
+                "import pkg._src.core.a\n"
+                "import pkg._src.core.a as aa\n"
+                "from pkg._src.core import a\n"
+                "from pkg._src.core.a import _x, y\n"
+                "z = a._x + aa._x + pkg._src.core.a._x + a.y + y.__class__ + _x\n"
+            ),
+            "_src/gemm/e.py": "from pkg import _ffi\n",  # the extension, allowed by name
+        },
+    )
+    assert problems(root, "pkg") == [
+        "pkg/_src/core/b.py:4: imports the private name _x from pkg._src.core.a",
+        "pkg/_src/core/b.py:5: reads the private name _x of pkg._src.core.a",
     ]
 
 

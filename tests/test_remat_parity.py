@@ -6,10 +6,16 @@ once with jaxmx MXFP8 GEMMs and once with the stock ops: under every named polic
 are the stock model's. The only difference is by design: where a policy saves a GEMM's operands
 for its backward pass, jaxmx saves its 8-bit columnwise copies (``jaxmx.LHS_COLWISE``,
 ``jaxmx.RHS_COLWISE``) instead of the high-precision activations.
+
+The same holds for ``jaxmx.fsdp_dot_general`` inside ``shard_map`` over 8 devices (two GEMMs,
+weights sharded on their first dimension), against the stock GEMM of the all-gathered weight:
+there the operands the stock model saves include the gathered weights.
 """
 
 import collections
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +23,7 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals  # in a test only: the residuals' avals
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxmx
 
@@ -88,24 +95,106 @@ def residuals(loss, policy) -> list[tuple[str, str]]:
     ]
 
 
+TN_2D = (((1,), (1,)), ((), ()))  # x [M, K] . w [N, K]
+FSDP_MESH = jax.make_mesh((8,), ("fsdp",))
+
+
+def fsdp_model(dot):
+    """x [64, 32] -> dot(x, w1 [256, 32]) -> gelu, named "h" -> dot(h, w2 [256, 256]), each
+    device holding 8 tokens and 32 rows of each weight (``dot(x, w_shard)``)."""
+
+    def loss(x, w1, w2):
+        h = checkpoint_name(jax.nn.gelu(dot(x, w1)), "h")
+        return jnp.sum(jnp.sin(dot(h, w2)).astype(jnp.float32))
+
+    return loss
+
+
+def gathered_dot(x, w):
+    return jax.lax.dot_general(x, jax.lax.all_gather(w, "fsdp", axis=0, tiled=True), TN_2D)
+
+
+def fsdp_dot(x, w):
+    return jaxmx.fsdp_dot_general(x, w, TN_2D, axis_name="fsdp", gather_axis=0, recipe=EMULATE)
+
+
+FSDP_ARGS = jax.device_put(
+    tuple(
+        jnp.asarray(_rng.standard_normal(shape) * 0.1, jnp.bfloat16)
+        for shape in ((64, 32), (256, 32), (256, 256))
+    ),
+    NamedSharding(FSDP_MESH, PartitionSpec("fsdp")),
+)
+
+
+def fsdp_residuals(loss, policy) -> list[tuple[str, str]]:
+    """:func:`residuals` of ``loss`` on each device's shards inside ``shard_map``, read while
+    the body is traced."""
+    found = []
+
+    def body(*args):
+        saved = saved_residuals(jax.checkpoint(loss, policy=policy), *args)
+        found.extend(
+            (aval.str_short(short_dtypes=True), what)
+            for aval, what in saved
+            if "argument" not in what
+        )
+        return jax.lax.psum(loss(*args), "fsdp")
+
+    spec = PartitionSpec("fsdp")
+    sharded = jax.shard_map(body, mesh=FSDP_MESH, in_specs=spec, out_specs=PartitionSpec())
+    jax.jit(sharded).trace(*FSDP_ARGS)
+    return found
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One op's models, how their residuals are read, the number of 8-bit arrays its copies
+    save (codes and scales of two copies per GEMM) and what the stock model saves of the
+    GEMMs' operands where a policy saves them."""
+
+    stock: Callable
+    mx: Callable
+    residuals: Callable
+    copies: int
+    operands: collections.Counter
+
+
+V = "{V:fsdp}"  # varying over the shard_map axis
+OPS = {
+    "dot_general": Case(stock=STOCK, mx=MX, residuals=residuals, copies=12, operands=ACTIVATIONS),
+    "fsdp_dot_general": Case(
+        stock=fsdp_model(gathered_dot),
+        mx=fsdp_model(fsdp_dot),
+        residuals=fsdp_residuals,
+        copies=8,  # two GEMMs
+        operands=collections.Counter(
+            {f"bf16[8,256]{V}": 1, f"bf16[256,32]{V}": 1, f"bf16[256,256]{V}": 1}
+        ),
+    ),
+}
+
+
 def is_copy(what: str) -> bool:
     return jaxmx.LHS_COLWISE in what or jaxmx.RHS_COLWISE in what
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", POLICIES)
-def test_every_named_policy_saves_what_it_saves_of_the_stock_model(name):
-    stock = residuals(STOCK, POLICIES[name])
-    got = residuals(MX, POLICIES[name])
+def test_every_named_policy_saves_what_it_saves_of_the_stock_model(name, op):
+    case = OPS[op]
+    stock = case.residuals(case.stock, POLICIES[name])
+    got = case.residuals(case.mx, POLICIES[name])
     copies = [aval for aval, what in got if is_copy(what)]
-    if name in SAVES_NAMES:  # codes and scales of two copies per GEMM, three GEMMs
-        assert len(copies) == 12, got
+    if name in SAVES_NAMES:
+        assert len(copies) == case.copies, got
         assert {a.split("[")[0] for a in copies} == {"u8"}, got  # codes and scales as bits
     else:
         assert copies == [], got
     want = collections.Counter(aval for aval, _ in stock)
     if name in SAVES_OPERANDS:
-        assert ACTIVATIONS <= want, stock
-        want -= ACTIVATIONS
+        assert case.operands <= want, stock
+        want -= case.operands
     assert collections.Counter(aval for aval, what in got if not is_copy(what)) == want, (
         got,
         stock,

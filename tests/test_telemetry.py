@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_diagnostics import adversarial, reference_stats
 
 import jaxmx
@@ -160,6 +162,47 @@ def test_the_localiser_names_the_first_gemm_and_leg_that_saw_a_nan(plant, where)
         inject = gradient_with(lambda g: g.at[0, 0].set(jnp.nan))
     report = run_step(params, x, inject)
     assert diagnostics.first_nonfinite(report) == where
+
+
+def test_fsdp_dot_general_reports_the_legs_of_all_devices_together():
+    """Inside shard_map over 8 devices, fsdp_dot_general records its four legs as the tensors
+    of all devices together: the forward ones equal the numpy reference of the whole x and w,
+    and all four equal jaxmx.dot_general's report of the same step on one device."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    dims = (((1,), (1,)), ((), ()))  # x [M, K] . w [N, K]
+    x = jax.random.normal(jax.random.key(0), (256, 32))
+    w = jax.random.normal(jax.random.key(1), (256, 32)) / 8  # 32 rows (one block) per device
+
+    def one_device(x, w, taps):
+        with diagnostics.telemetry(taps) as record, diagnostics.named("layer"):
+            y = jaxmx.dot_general(x, w, dims)
+        return jnp.sum(jnp.tanh(y)), record.forward
+
+    def local(x, w, taps):
+        with diagnostics.telemetry(taps) as record, diagnostics.named("layer"):
+            y = jaxmx.fsdp_dot_general(x, w, dims, axis_name="fsdp", gather_axis=0)
+        return jax.lax.psum(jnp.sum(jnp.tanh(y)), "fsdp"), record.forward
+
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("fsdp"), P("fsdp"), P()), out_specs=(P(), P())
+    )
+
+    def report(loss, x, w):
+        taps = diagnostics.gemm_taps(loss, x, w)
+        step = jax.jit(jax.value_and_grad(loss, (0, 2), has_aux=True))
+        (_, forward), (_, tap_grads) = step(x, w, taps)
+        return diagnostics.telemetry_report(forward, tap_grads)
+
+    got = report(sharded, *jax.device_put((x, w), NamedSharding(mesh, P("fsdp"))))
+    assert list(got) == ["layer"]
+    want = report(one_device, x, w)["layer"]
+    for leg, tensor in (("lhs", x), ("rhs", w)):
+        reference = reference_leg(np.asarray(tensor), "mxfp8_e4m3", 1)
+        for field in diagnostics.LegStats._fields:
+            value = getattr(getattr(got["layer"], leg), field)
+            np.testing.assert_allclose(value, reference[field], rtol=1e-5, err_msg=(leg, field))
+    for leg in diagnostics.LEGS:
+        np.testing.assert_array_equal(getattr(got["layer"], leg), getattr(want, leg), leg)
 
 
 def test_telemetry_off_compiles_to_the_program_without_the_feature(monkeypatch):

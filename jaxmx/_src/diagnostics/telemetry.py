@@ -1,8 +1,9 @@
 """In-training telemetry: the quantization statistics of every leg of every jaxmx GEMM in a step.
 
 Inside a :func:`telemetry` block, each :func:`jaxmx.dot_general` call (and so every einsum,
-attention product and Flax layer built on it) and each :func:`jaxmx.ragged_dot` call records,
-without host callbacks:
+attention product and Flax layer built on it), each :func:`jaxmx.ragged_dot` call and each
+:func:`jaxmx.fsdp_dot_general` call (its legs those of all devices together) records, without
+host callbacks:
 
 - in the forward pass, :class:`LegStats` of its two operands as quantized for the forward GEMM
   (``lhs`` and ``rhs``, each along the contracting axis), returned by the block as arrays;

@@ -19,9 +19,12 @@ per-tensor FP8     the one copy's codes in forward and again in backward; the am
                    ``lax.pmax``-ed over ``axis_name`` so every shard uses the global scale
 =================  =============================================================================
 
-The GEMMs are :mod:`jaxmx._src.training.dot_general`'s: the same kernels and copies, so the
-loss and gradients equal the single-device :func:`jaxmx.dot_general` step (the weight
-gradient to float32 rounding: the reduce-scatter adds the shards' partial sums).
+The GEMMs are :func:`jaxmx.dot_general`'s (:mod:`jaxmx._src.training.contract`): the same
+kernels and copies, so the loss and gradients equal the single-device :func:`jaxmx.dot_general`
+step (the weight gradient to float32 rounding: the reduce-scatter adds the shards' partial
+sums). Inside :func:`jaxmx.diagnostics.telemetry` (entered inside ``shard_map``) it records its
+four legs as the tensors of all devices together, gathered over ``axis_name`` in high precision
+for the observer only (default name ``fsdp_dot_general``): the single-device step's report.
 """
 
 from __future__ import annotations
@@ -43,20 +46,23 @@ from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.quantize.codec import encode
 from jaxmx._src.quantize.scales import current_scale
-from jaxmx._src.training.dot_general import (
+from jaxmx._src.training import scope
+from jaxmx._src.training.contract import (
     LHS_COLWISE,
     RHS_COLWISE,
-    _canonical_operands,
-    _Dims,
-    _fprop,
-    _gemm,
-    _named,
-    _Operand,
-    _per_tensor,
-    _quantize,
-    _Static,
-    _tiled,
-    _vma_like,
+    Dims,
+    Operand,
+    Static,
+    canonical_operands,
+    fprop,
+    gemm,
+    named,
+    observed,
+    observed_gradient,
+    per_tensor,
+    quantized,
+    tiled,
+    vma_like,
 )
 from jaxmx._src.training.gathered import all_gathered
 from jaxmx._src.training.higher_order import first_order_only
@@ -120,7 +126,7 @@ def fsdp_dot_general(
     full = list(rhs_shard.shape)
     gather_axis = _checked_gather_axis(gather_axis, rhs_shard.ndim, dimension_numbers)
     full[gather_axis] *= n_shards
-    dims = _Dims.of(lhs.shape, tuple(full), dimension_numbers)
+    dims = Dims.of(lhs.shape, tuple(full), dimension_numbers)
     if dims.rhs_free[0] != gather_axis:
         raise ValueError(
             f"{_WHERE}: gather_axis {gather_axis} must be the first free dimension of rhs "
@@ -131,24 +137,44 @@ def fsdp_dot_general(
         preferred_element_type or jnp.result_type(lhs, rhs_shard),
         f"{_WHERE}: preferred_element_type",
     )
-    static = _Static(
-        recipe,
-        out_dtype,
-        lhs.dtype,
-        rhs_shard.dtype,
-        (),
-        dims.out_shape(lhs.shape, full),
-        len(dims.lhs_batch),
-        dims.gemm_shape(lhs.shape, full),
+    static = Static(
+        recipe=recipe,
+        out_dtype=out_dtype,
+        lhs_dtype=lhs.dtype,
+        rhs_dtype=rhs_shard.dtype,
+        out_shape=dims.out_shape(lhs.shape, full),
+        n_batch=len(dims.lhs_batch),
+        gemm_shape=dims.gemm_shape(lhs.shape, full),
     )
-    x, w = _canonical_operands(dims, lhs, rhs_shard)  # [B, M, K], [B, N / n, K]
+    x, w = canonical_operands(dims, lhs, rhs_shard)  # [B, M, K], [B, N / n, K]
     _check_blocks(recipe, w.shape[1], n_shards)
-    return _fsdp_bmm(_Config(static, axis_name), x, w)
+    static, tap = _observed(static, x, w, axis_name)
+    return _fsdp_bmm(_Config(static, axis_name), x, w, tap)
 
 
 class _Config(NamedTuple):
-    static: _Static  # the GEMM with the whole weight
+    static: Static  # the GEMM with the whole weight
     axis_name: str
+
+
+def _observed(static: Static, x, w, axis_name: str) -> tuple[Static, object]:
+    """Reports the forward legs to the active observer (under the name ``fsdp_dot_general``
+    by default) as the tensors of all devices together: ``x`` [B, M, K] and the weight
+    [B, N, K] along K, gathered over ``axis_name`` in high precision (only while observed)."""
+    if scope.observer() is None:
+        return static, None
+    r = static.recipe
+    lhs = Operand(x=_whole(x, axis_name), fmt=r.fwd, axis=-1)
+    rhs = Operand(x=_whole(w, axis_name), fmt=r.fwd, axis=-1)
+    return observed(static, lhs, rhs, "fsdp_dot_general")
+
+
+def _whole(x, axis_name: str):
+    """``x`` [B, rows / n, ...] of every device along ``axis_name`` as one [B, rows, ...],
+    the same on every device (a high-precision all-gather, for the observer only)."""
+    if axis_name not in varying_axes(x):
+        x = lax.pcast(x, (axis_name,), to="varying")
+    return lax.all_gather(x, axis_name, axis=1, tiled=True, to="invarying")
 
 
 def _check_recipe(r: Recipe) -> None:
@@ -219,7 +245,9 @@ def _check_blocks(r: Recipe, n_local: int, n_shards: int) -> None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fsdp_bmm(config: _Config, x, w):
+def _fsdp_bmm(config: _Config, x, w, tap):
+    """The GEMM; ``tap`` (``None``, or an observer's tap value) is unused here: its cotangent
+    carries what the observer records of the backward pass."""
     return _forward(config, x, w)[0]
 
 
@@ -227,24 +255,24 @@ def _forward(config: _Config, x, w):
     static, name = config
     r = static.recipe
     col = dict(fmt=r.fwd, scale_mode=r.scale_mode, to_values=False)
-    if _per_tensor(r.fwd):  # one copy of each operand, with the global scale
+    if per_tensor(r.fwd):  # one copy of each operand, with the global scale
         w_row = _current_copy(w, r.fwd, r.scale_mode, name, axis=2)
         x_fwd = _current_copy(x, r.fwd, r.scale_mode, name, axis=2)
         w_saved, x_col = along(w_row, 1), along(x_fwd, 1)
     else:
-        w_row = _tiled(w, r.fwd, r) if r.weight_tile else _quantize(w, axis=-1, **col)
+        w_row = tiled(w, r.fwd, r) if r.weight_tile else quantized(w, axis=-1, **col)
         x_fwd = x
-        x_col = _quantize(x, axis=-2, **col)
+        x_col = quantized(x, axis=-2, **col)
     w_full = _gathered(w_row, name)
-    y = _fprop(static, x_fwd, w_full)
+    y = fprop(static, x_fwd, w_full)
     if r.weight_tile:  # the gathered plane serves dgrad too
         w_saved = w_full
-    elif not _per_tensor(r.fwd):
-        w_saved = _quantize(w, axis=-2, **col)  # this shard's columnwise copy, along N
-    return y, (_named(x_col, LHS_COLWISE), _named(w_saved, RHS_COLWISE))
+    elif not per_tensor(r.fwd):
+        w_saved = quantized(w, axis=-2, **col)  # this shard's columnwise copy, along N
+    return y, (named(x_col, LHS_COLWISE), named(w_saved, RHS_COLWISE))
 
 
-def _fwd(config: _Config, x, w):
+def _fwd(config: _Config, x, w, tap):
     x, w = first_order_only(_WHERE, x, w)
     return _forward(config, x, w)
 
@@ -259,15 +287,20 @@ def _bwd(config: _Config, residuals, g):
         w_col = swap_last_axes(w_col)
     else:
         w_col = _gathered(w_col, name)
-    if _per_tensor(r.grad):
+    if per_tensor(r.grad):
         g_dgrad = _current_copy(g, r.grad, r.scale_mode, name, axis=2)
         g_wgrad = along(g_dgrad, 1)
     else:
-        g_dgrad, g_wgrad = _Operand(g, r.grad, -1), _Operand(g, r.grad, -2)
-    dx = _gemm(r, g_dgrad, w_col, static.lhs_dtype)  # [B, M, K], reduces N
-    dw = _gemm(r, g_wgrad, x_col, jnp.float32)  # [B, N, K], this device's part of the sum
+        g_dgrad, g_wgrad = Operand(x=g, fmt=r.grad, axis=-1), Operand(x=g, fmt=r.grad, axis=-2)
+    dx = gemm(r, g_dgrad, w_col, static.lhs_dtype)  # [B, M, K], reduces N
+    dw = gemm(r, g_wgrad, x_col, jnp.float32)  # [B, N, K], this device's part of the sum
     dw = lax.psum_scatter(dw, name, scatter_dimension=1, tiled=True).astype(static.rhs_dtype)
-    return _vma_like(dx, x_saved), _vma_like(dw, w_saved)
+    tap_ct = None
+    if static.observe_grad is not None:  # g of every device: along N (dgrad), along M (wgrad)
+        whole = _whole(g, name)
+        dgrad, wgrad = Operand(x=whole, fmt=r.grad, axis=-1), Operand(x=whole, fmt=r.grad, axis=-2)
+        tap_ct = observed_gradient(static, dgrad, wgrad)
+    return vma_like(dx, x_saved), vma_like(dw, w_saved), tap_ct
 
 
 _fsdp_bmm.defvjp(_fwd, _bwd)
@@ -292,7 +325,7 @@ def _gathered(q: MXArray, axis_name: str) -> MXArray:
     same on every shard and is not gathered."""
 
     n = lax.axis_size(axis_name)
-    scale = q.scale if _per_tensor(q.fmt) else all_gathered(q.scale, axis_name, 1)
+    scale = q.scale if per_tensor(q.fmt) else all_gathered(q.scale, axis_name, 1)
     shape = (q.shape[0], q.shape[1] * n, *q.shape[2:])
     return MXArray(
         all_gathered(q.data, axis_name, 1), scale, q.fmt, q.axis, shape, q.tile, q.global_scale

@@ -55,19 +55,18 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.checks import check_key
-from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits, to_bits
+from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
@@ -78,7 +77,18 @@ from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.training import scope
-from jaxmx._src.training.dot_general import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
+from jaxmx._src.training.contract import (
+    LHS_COLWISE,
+    LHS_INPUT,
+    RHS_COLWISE,
+    RHS_INPUT,
+    Operand,
+    Static,
+    named,
+    named_input,
+    observed,
+    observed_gradient,
+)
 from jaxmx._src.training.higher_order import first_order_only
 
 
@@ -217,10 +227,17 @@ def _run(recipe: Recipe, lhs, lhs_like, rhs, group_sizes, out_dtype, key):
     if key is not None:
         key = check_key(key, "jaxmx.ragged_dot")
     key = scope.gradient_key(recipe.grad_rounding, key)
-    static = _Static(recipe, out_dtype, lhs_like.dtype, rhs.dtype)
+    static = _Grouped(
+        recipe=recipe, out_dtype=out_dtype, lhs_dtype=lhs_like.dtype, rhs_dtype=rhs.dtype
+    )
     if isinstance(lhs, _Quantized):
-        static = static._replace(quantized_lhs=jax.tree.map(_shape_of, lhs.bits))
-    static, tap = _observed(static, _values(lhs), rhs)
+        static = dataclasses.replace(static, quantized_lhs=jax.tree.map(_shape_of, lhs.bits))
+    static, tap = observed(  # both along K, under the name ragged_dot by default
+        static,
+        Operand(x=_values(lhs), fmt=recipe.fwd, axis=1),
+        Operand(x=rhs, fmt=recipe.fwd, axis=1),
+        "ragged_dot",
+    )
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
@@ -277,29 +294,12 @@ def _check_group_sizes(group_sizes: jax.Array) -> None:
         )
 
 
-class _Static(NamedTuple):
-    recipe: Recipe
-    out_dtype: jnp.dtype
-    lhs_dtype: jnp.dtype
-    rhs_dtype: jnp.dtype
-    observe_grad: Callable | None = None  # a scope.Tap's backward: (dgrad leg, wgrad leg) -> ct
-    quantized_lhs: object = None  # a _Quantized lhs's bits as ShapeDtypeStructs (static)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Grouped(Static):
+    """The grouped GEMM's :class:`Static`: with an already quantized lhs, its bits as
+    ``ShapeDtypeStruct`` s (static), whose cotangent the backward pass builds."""
 
-
-def _observed(static: _Static, lhs, rhs) -> tuple[_Static, object]:
-    """Reports the forward GEMM's operands (``lhs [m, k]`` and ``rhs [g, k, n]``, both along K)
-    to the active observer under the name ``ragged_dot`` by default: returns ``static`` with
-    the observer's backward hook and the tap for :func:`_ragged`, or ``static`` and ``None``."""
-    r = static.recipe
-    tap = scope.observe(
-        r,
-        scope.Leg(lhs, r.fwd, 1, r.scale_mode),
-        scope.Leg(rhs, r.fwd, 1, r.scale_mode),
-        default_name="ragged_dot",
-    )
-    if tap is None:
-        return static, None
-    return static._replace(observe_grad=tap.backward), tap.value
+    quantized_lhs: object = None
 
 
 def _decoded(x, fmt: str, r: Recipe, axis: int, key=None) -> jax.Array:
@@ -326,13 +326,13 @@ def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(static: _Static, lhs, rhs, group_sizes, key, tap):
+def _ragged(static: _Grouped, lhs, rhs, group_sizes, key, tap):
     """The grouped GEMM; ``tap`` (``None`` or an observer's tap) is unused here: its cotangent
     carries what the observer records of the backward pass."""
     return _forward(static, lhs, rhs, group_sizes, _tiled(static.recipe, rhs))
 
 
-def _forward(static: _Static, lhs, rhs, group_sizes, tiled: MXArray | None):
+def _forward(static: _Grouped, lhs, rhs, group_sizes, tiled: MXArray | None):
     """The forward GEMM; ``rhs`` is read along K, or as ``tiled`` (:func:`_tiled`)."""
     r = static.recipe
     rhs = _decoded(rhs, r.fwd, r, axis=1) if tiled is None else dequantize(tiled)
@@ -358,7 +358,7 @@ def _tiled(r: Recipe, rhs) -> MXArray | None:
     return quantize(rhs, r.fwd, axis=-1, scale_mode=r.scale_mode, tile=r.weight_tile)
 
 
-def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
+def _ragged_fwd(static: _Grouped, lhs, rhs, group_sizes, key, tap):
     r = static.recipe
     scope.require_gradient_key(r.grad_rounding, key)
     rhs = first_order_only(_WHERE, rhs)  # the residuals and y: not differentiable again
@@ -368,14 +368,14 @@ def _ragged_fwd(static: _Static, lhs, rhs, group_sizes, key, tap):
     y = _forward(static, lhs, rhs, group_sizes, tiled)
     if r.residuals == "quantized":  # the 8-bit copies the two backward GEMMs read
         lhs_col, rhs_by_n = _columnwise(r, _values(lhs), rhs, group_sizes, tiled)
-        saved = (_named(lhs_col, LHS_COLWISE), _named(rhs_by_n, RHS_COLWISE))
+        saved = (named(lhs_col, LHS_COLWISE), named(rhs_by_n, RHS_COLWISE))
     elif isinstance(lhs, _Quantized):  # the input is the codes
         saved = (
-            _named(mx_from_bits(lhs.bits), LHS_INPUT),
-            checkpoint_name(to_bits(rhs), RHS_INPUT),
+            named(mx_from_bits(lhs.bits), LHS_INPUT),
+            named_input(rhs, RHS_INPUT),
         )
     else:
-        saved = (checkpoint_name(to_bits(lhs), LHS_INPUT), checkpoint_name(to_bits(rhs), RHS_INPUT))
+        saved = (named_input(lhs, LHS_INPUT), named_input(rhs, RHS_INPUT))
     return y, (saved, group_sizes, key)
 
 
@@ -402,13 +402,7 @@ def _by_group(x, group_sizes, r: Recipe):
     return x, padded_sizes
 
 
-def _named(q, name: str):
-    """The MXArray ``q`` as saved for the backward pass: its arrays as bits (``as_bits``, so
-    that ``lax.scan`` stacks them in place), named ``name`` for remat policies."""
-    return jax.tree.map(lambda a: checkpoint_name(a, name), as_bits(q))
-
-
-def _ragged_bwd(static: _Static, residuals, g):
+def _ragged_bwd(static: _Grouped, residuals, g):
     r = static.recipe
     saved, group_sizes, key = residuals
     g = first_order_only(_WHERE, g)  # quantized below: its derivative would be zero
@@ -434,7 +428,13 @@ def _ragged_bwd(static: _Static, residuals, g):
         _decoded(g_by_group, r.grad, r, axis=0, key=col_key),
         padded_sizes,
     )
-    tap_ct = _observed_gradient(static, g, g_by_group)
+    # the output gradient as the dgrad GEMM quantizes it (g [m, n] along N) and as the wgrad
+    # GEMM does (laid out by group and transformed, _by_group, along each group's tokens)
+    tap_ct = observed_gradient(
+        static,
+        Operand(x=g, fmt=r.grad, axis=1),
+        Operand(x=g_by_group, fmt=r.grad, axis=0),
+    )
     dlhs = dlhs.astype(static.lhs_dtype)
     if static.quantized_lhs is not None:  # the codes get none, the carrier the gradient
         dlhs = _Quantized(jax.tree.map(_zero_cotangent, static.quantized_lhs), dlhs)
@@ -448,18 +448,6 @@ def _shape_of(x) -> jax.ShapeDtypeStruct:
 def _zero_cotangent(x: jax.ShapeDtypeStruct):
     """The cotangent of an integer array: float0 zeros."""
     return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def _observed_gradient(static: _Static, g, g_by_group):
-    """The tap's cotangent: the observer's record of the output gradient as the dgrad GEMM
-    quantizes it (``g [m, n]`` along N) and as the wgrad GEMM does (laid out by group and
-    transformed, :func:`_by_group`, along each group's tokens); ``None`` when nothing observes."""
-    if static.observe_grad is None:
-        return None
-    r = static.recipe
-    return static.observe_grad(
-        scope.Leg(g, r.grad, 1, r.scale_mode), scope.Leg(g_by_group, r.grad, 0, r.scale_mode)
-    )
 
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)

@@ -1,8 +1,8 @@
 """The trace-time state that the training GEMMs read, held in ``contextvars``.
 
-Three pieces of state reach :func:`jaxmx.dot_general` (and every GEMM built on it,
-:func:`jaxmx.ragged_dot` included) from the code around the call rather than from its
-arguments:
+Three pieces of state reach :func:`jaxmx.dot_general` (and every GEMM built on it, and
+:func:`jaxmx.ragged_dot` and :func:`jaxmx.fsdp_dot_general`) from the code around the call
+rather than from its arguments:
 
 - the stochastic-rounding key source of :func:`stochastic_rounding`;
 - the GEMM names of :func:`named` blocks (``/``-joined, for telemetry);
@@ -137,7 +137,8 @@ def named(name: str) -> Iterator[None]:
     """Names the jaxmx GEMMs called in the block for :func:`jaxmx.diagnostics.telemetry`
     (nested names join with ``/``; the observer numbers a name used twice ``#1``, ``#2``, ...).
     GEMMs outside any ``named`` block are called ``dot_general`` (``ragged_dot`` for
-    :func:`jaxmx.ragged_dot`). The Flax layers name theirs by module path.
+    :func:`jaxmx.ragged_dot`, ``fsdp_dot_general`` for :func:`jaxmx.fsdp_dot_general`). The
+    Flax layers name theirs by module path.
 
     Example:
         >>> with named("attn"), named("qk"):

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ablate and (args.diagnose or args.seeds):
         raise SystemExit("--ablate does not combine with --diagnose or --seeds")
     formats = [FORMATS[f] for f in (recipe.fwd, recipe.grad)]
-    if args.diagnose and not all(f.is_mx or f.has_global_scale for f in formats):
+    if args.diagnose and not all(f.has_block_statistics for f in formats):
         raise SystemExit(
             f"--diagnose records the telemetry of MX and NVFP4 GEMMs; --recipe {args.recipe} "
             f"uses {recipe.fwd} / {recipe.grad}"

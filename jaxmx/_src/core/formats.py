@@ -52,6 +52,9 @@ class ScaleKind:
     pow2: bool = False
     # every value ``code * block scale`` is exact in float32 (not so for float32 scales)
     exact_products: bool = True
+    # the scales are coded per block (E8M0, or E4M3 under a tensor scale), so the block
+    # statistics of jaxmx.diagnostics (block_stats, telemetry) describe them
+    block_statistics: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,12 @@ class Format:
     def has_global_scale(self) -> bool:
         """Whether a float32 per-tensor scale sits above the block scales (NVFP4)."""
         return self.scale_kind.tensor_scale
+
+    @property
+    def has_block_statistics(self) -> bool:
+        """Whether the diagnostics' block statistics cover the format (its scale kind's
+        :attr:`ScaleKind.block_statistics`: the MX formats and NVFP4)."""
+        return self.scale_kind.block_statistics
 
     @property
     def elem_max_mantissa(self) -> int:
@@ -236,12 +245,14 @@ NVFP4_SCALE_MODES = ("e4m3",)
 """NVFP4's one scale rule (:mod:`jaxmx._src.quantize.nvfp4`): the per-tensor scale
 ``g = amax / (448 * 6)`` and the block scale ``E4M3((block_amax / 6) / g)``."""
 
-E8M0_SCALES = ScaleKind(name="e8m0", dtype=E8M0, modes=SCALE_MODES, pow2=True)
+E8M0_SCALES = ScaleKind(
+    name="e8m0", dtype=E8M0, modes=SCALE_MODES, pow2=True, block_statistics=True
+)
 FLOAT32_SCALES = ScaleKind(
     name="float32", dtype=np.dtype(np.float32), modes=BLOCK_SCALE_MODES, exact_products=False
 )
 E4M3_SCALES_TENSOR_SCALED = ScaleKind(
-    name="e4m3", dtype=E4M3, modes=NVFP4_SCALE_MODES, tensor_scale=True
+    name="e4m3", dtype=E4M3, modes=NVFP4_SCALE_MODES, tensor_scale=True, block_statistics=True
 )
 FLOAT32_CURRENT_SCALES = ScaleKind(
     name="float32_current",

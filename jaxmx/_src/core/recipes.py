@@ -272,7 +272,7 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
             f"{names} mixes scale kinds or block sizes; it takes pairs of one scale kind and "
             "block (MX with MX, NVFP4 with NVFP4, block FP8 with block FP8)"
         )
-    if fs[0].scale_kind.name == "float32" and scale_mode != "pow2":
+    if fs[0].pow2_twin is not None and scale_mode != "pow2":
         return (
             f"{names}: float32 block scales (scale_mode={scale_mode!r}) are not exact in "
             "lax.scaled_dot, whose decomposition rounds each scale to bfloat16; it takes block "

@@ -142,7 +142,7 @@ def block_stats(
     bits, so subnormal inputs are classified exactly on every platform.
     """
     f = get_format(fmt)
-    if not (f.is_mx or f.has_global_scale):
+    if not f.has_block_statistics:
         raise ValueError(
             f"block_stats covers the MX formats (E8M0 scales) and NVFP4, not {f.name}; see "
             "docs/diagnostics.md"

@@ -179,7 +179,7 @@ class Telemetry:
                 "it; enter the block inside that transformation, or call the GEMM outside it"
             )
         formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
-        if not all(f.is_mx or f.has_global_scale for f in formats):
+        if not all(f.has_block_statistics for f in formats):
             raise ValueError(
                 f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats "
                 f"are {recipe.fwd} / {recipe.grad}"

@@ -3,10 +3,11 @@
 ``jax.export`` cannot serialize a ``custom_partitioning`` rule (XLA calls the rule back in
 Python while compiling). :func:`exportable` pairs such an op with a plain-JAX form of the same
 computation and chooses between them when the program is lowered: the partitioned op for
-``jit``, the plain form when the lowering is for ``jax.export``. Both are traced from the same
-arguments and give the same values; they differ only in how XLA partitions them (the plain form
-leaves the collectives to XLA's partitioner). An export of a program on several devices that
-takes the plain form warns once per op, naming it.
+``jit``, the plain form when the lowering is for ``jax.export``. Both take the same arguments
+and give the same values; they differ only in how XLA partitions them (the plain form leaves
+the collectives to XLA's partitioner). The plain form is traced only where it is lowered (for
+``jax.export``), so a ``jit`` traces each op's computation once. An export of a program on
+several devices that takes the plain form warns once per op, naming it.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 
@@ -41,11 +43,19 @@ def exportable(partitioned: Callable, plain: Callable, where: str) -> Callable:
         closed, out_shape = jax.make_jaxpr(
             lambda *a: partitioned(*tree.unflatten(a)), return_shape=True
         )(*flat)
-        closed_plain = jax.make_jaxpr(lambda *a: plain(*tree.unflatten(a)))(*flat)
-        out = _exportable_p.bind(*flat, partitioned=closed, plain=closed_plain, where=where)
+        flat_plain = _Untraced(lambda *a: jax.tree.leaves(plain(*tree.unflatten(a))))
+        out = _exportable_p.bind(*flat, partitioned=closed, plain=flat_plain, where=where)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return op
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Untraced:
+    """A function of flat arrays to a list of arrays, traced only where it is lowered (a
+    primitive parameter: hashed and compared by identity)."""
+
+    fn: Callable
 
 
 def _abstract_eval(*avals, partitioned, plain, where):
@@ -68,14 +78,14 @@ def _lowering(ctx, *args, partitioned, plain, where):
             "(docs/distributed.md, Export)",
             stacklevel=2,
         )
-    chosen = plain if for_export else partitioned
-    return mlir.lower_fun(jaxpr_as_fun(chosen), multiple_results=True)(ctx, *args)
+    chosen = plain.fn if for_export else jaxpr_as_fun(partitioned)
+    return mlir.lower_fun(chosen, multiple_results=True)(ctx, *args)
 
 
 def _batched(args, dims, *, partitioned, plain, where):
     moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims, strict=True)]
     axes = [0 if d is not None else None for d in dims]
-    vmapped = [jax.vmap(jaxpr_as_fun(f), in_axes=axes) for f in (partitioned, plain)]
+    vmapped = [jax.vmap(f, in_axes=axes) for f in (jaxpr_as_fun(partitioned), plain.fn)]
     out = exportable(*vmapped, where)(*moved)
     return out, [0] * len(out)
 

@@ -28,7 +28,7 @@ from hard_gemm_inputs import (
 
 import jaxmx
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.matmul import run
+from jaxmx._src.gemm.kernels import execute
 
 BACKENDS = ("emulate", "xla", "ffi")
 MX_PAIRS = (
@@ -61,7 +61,7 @@ def _ids(pairs):
 @functools.cache
 def _gemm(backend: str, formats: tuple[str, str], scale_mode: str | None):
     chosen = kernels(Gemm(formats=formats, backend=backend, scale_mode=scale_mode))
-    return jax.jit(lambda a, b: run(chosen, a, b, jnp.float32))
+    return jax.jit(lambda a, b: execute(chosen, a, b, jnp.float32))
 
 
 def outcome(backend, a, b, scale_mode=None):

@@ -30,7 +30,7 @@ import typing_extensions
 import jaxmx
 from jaxmx import MXArray, _ffi, ffi
 from jaxmx._src.gemm import capabilities
-from jaxmx._src.gemm.dispatch import native_pair
+from jaxmx._src.gemm.capabilities import native_pair
 
 E4M3, E5M2 = "mxfp8_e4m3", "mxfp8_e5m2"
 FP8_DTYPE = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
@@ -512,7 +512,7 @@ PEAK_SCRIPT = """
 import resource, sys
 import jax.numpy as jnp, jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm.dispatch import native_pair
+from jaxmx._src.gemm.capabilities import native_pair
 a = jaxmx.quantize(jnp.ones((1, 2**20)))
 jaxmx.matmul(a, a, jnp.float32, backend=sys.argv[1]).block_until_ready()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

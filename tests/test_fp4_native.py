@@ -22,7 +22,11 @@ from machines import BLACKWELL, HOPPER
 
 import jaxmx
 from jaxmx import ffi
-from jaxmx._src.gemm.dispatch import Gemm, kernels, native_family
+from jaxmx._src.gemm.capabilities import native_family
+from jaxmx._src.gemm.dequantized_matmul import DEQUANTIZED
+from jaxmx._src.gemm.dispatch import Gemm, kernels
+from jaxmx._src.gemm.emulate import EMULATE
+from jaxmx._src.gemm.native import FP4_KERNEL
 
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
 OUT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -267,9 +271,9 @@ def test_fp4_pairs_are_a_native_family_of_one_format():
     assert native_family(("mxfp4", "nvfp4")) is None
     assert native_family(("nvfp4", "mxfp8_e4m3")) is None
     nvfp4 = Gemm(formats=("nvfp4", "nvfp4"))
-    assert kernels(nvfp4, BLACKWELL) == {"default": "emulate", "cuda": "native"}
-    assert kernels(Gemm(formats=("nvfp4", "mxfp4")), BLACKWELL) == {"default": "dequantized"}
-    assert kernels(nvfp4, HOPPER) == {"default": "emulate"}
+    assert kernels(nvfp4, BLACKWELL) == {"default": EMULATE, "cuda": FP4_KERNEL}
+    assert kernels(Gemm(formats=("nvfp4", "mxfp4")), BLACKWELL) == {"default": DEQUANTIZED}
+    assert kernels(nvfp4, HOPPER) == {"default": EMULATE}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -23,8 +23,9 @@ from test_tensor_row_fp8 import ref_quantize
 import jaxmx
 from jaxmx import recipes
 from jaxmx._src.gemm.capabilities import Capabilities
+from jaxmx._src.gemm.dequantized_matmul import DEQUANTIZED
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.native import tn_codes
+from jaxmx._src.gemm.native import FP8_KERNEL, tn_codes
 
 TN = (((1,), (1,)), ((), ()))
 ADA = Capabilities(compute_capability=(8, 9), cublaslt_version=120800)
@@ -133,14 +134,14 @@ def test_auto_runs_per_tensor_and_per_row_fp8_natively_from_compute_capability_8
         machine(here)
         for fa, fb in PAIRS:
             gemm = Gemm(formats=(fa, fb), scale_mode="fp32")
-            assert kernels(gemm) == {"default": "dequantized", "cuda": "native"}, (here, fa, fb)
+            assert kernels(gemm) == {"default": DEQUANTIZED, "cuda": FP8_KERNEL}, (here, fa, fb)
         e5m2 = Gemm(formats=("fp8_e5m2_tensor",) * 2)  # no such cuBLASLt kernel: emulated
-        assert kernels(e5m2) == {"default": "dequantized"}
+        assert kernels(e5m2) == {"default": DEQUANTIZED}
         ffi = Gemm(formats=("fp8_e4m3_row", "fp8_e4m3_row"), backend="ffi")
-        assert kernels(ffi) == {"default": "native"}
+        assert kernels(ffi) == {"default": FP8_KERNEL}
     machine(AMPERE)  # below 8.9: the emulation
-    assert kernels(Gemm(formats=("fp8_e4m3_tensor",) * 2)) == {"default": "dequantized"}
-    assert kernels(Gemm(formats=("fp8_e4m3_row",) * 2)) == {"default": "dequantized"}
+    assert kernels(Gemm(formats=("fp8_e4m3_tensor",) * 2)) == {"default": DEQUANTIZED}
+    assert kernels(Gemm(formats=("fp8_e4m3_row",) * 2)) == {"default": DEQUANTIZED}
     assert jaxmx.backends()["native-recipes"].startswith("none")
 
 

@@ -13,7 +13,7 @@ from hard_gemm_inputs import MX_GROUPS, block_group, mx_group, problems
 
 from jaxmx._src.gemm import capabilities
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.matmul import run
+from jaxmx._src.gemm.kernels import execute
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ CUBLASLT_RELATIVE = 2.0**-12
 def _run(backend, a, b, device, scale_mode=None):
     chosen = kernels(Gemm(formats=(a.fmt, b.fmt), backend=backend, scale_mode=scale_mode))
     a, b = jax.device_put((a, b), device)
-    return np.asarray(jax.jit(lambda a, b: run(chosen, a, b, jnp.float32))(a, b))
+    return np.asarray(jax.jit(lambda a, b: execute(chosen, a, b, jnp.float32))(a, b))
 
 
 def _native(family):

@@ -29,10 +29,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.recipes import STEP, Accumulation
 from jaxmx._src.core.sizes import round_up
 from jaxmx._src.gemm.emulate import decode_rows
+from jaxmx._src.gemm.kernels import Kernel
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -86,3 +87,10 @@ def _truncated_sum(values: jax.Array, kept_bits: int) -> jax.Array:
     _, exponent = jnp.frexp(jnp.max(jnp.abs(values), axis=-1, keepdims=True))
     shift = kept_bits - exponent  # values * 2^shift: quanta, exactly
     return jnp.sum(jnp.ldexp(jnp.trunc(jnp.ldexp(values, shift)), -shift), axis=-1)
+
+
+LIMITED = Kernel(
+    name="limited",
+    run=lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
+)
+"""The modelled limited-precision accumulator (``Recipe.accum_bits``), on every platform."""

@@ -4,6 +4,7 @@ Every native GEMM needs a compute capability and a cuBLASLt version; :data:`REQU
 one table of them. :class:`Capabilities` is what a machine has; :func:`current` is this
 machine's (probed on first use), or the value of an enclosing :func:`assume` block, which is how
 tests (and a user who lowers for another machine) ask "what would run on a Blackwell GPU?".
+:func:`native_family` names the native GEMM that takes a pair of formats.
 
 Example:
     >>> from jaxmx._src.gemm.capabilities import Capabilities, assume, current
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 
 import jax
 
+from jaxmx._src.core.formats import get_format
 from jaxmx._src.gemm import extension
 
 
@@ -73,6 +75,31 @@ REQUIREMENTS: dict[str, Requirement] = {
 needs: MXFP8 and FP4 block scaling (``VEC32_UE8M0``, ``VEC16_UE4M3``) from cuBLASLt 12.8 on
 compute capability >= 10.0; block FP8 (``VEC128_32F``, ``BLK128x128_32F``) from cuBLASLt 12.9 on
 9.x; per-tensor FP8 (``SCALAR_32F``) on >= 8.9."""
+
+
+def native_family(formats: tuple[str, ...]) -> str | None:
+    """The native GEMM (a key of :data:`REQUIREMENTS`, the formats' ``Format.gemm``) that takes
+    operands of these formats, or None: formats of no native GEMM or of two families, two scale
+    kinds (MXFP4 with NVFP4: cuBLASLt scales both operands with one mode), or E5M2 x E5M2
+    (cuBLASLt's FP8 type table has E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3 only).
+
+    Example:
+        >>> native_family(("mxfp8_e4m3", "mxfp8_e5m2")), native_family(("mxfp4", "nvfp4"))
+        ('mx', None)
+    """
+    fs = [get_format(f) for f in formats]
+    if not fs or len({f.gemm for f in fs}) != 1 or len({f.scale_kind for f in fs}) != 1:
+        return None
+    if all(f.dtype.name == "float8_e5m2" for f in fs):
+        return None
+    return fs[0].gemm
+
+
+def native_pair(formats: tuple[str, ...]) -> bool:
+    """Whether a native GEMM (MX, block FP8, FP4 or per-tensor FP8) takes operands of these
+    formats."""
+    return native_family(formats) is not None
+
 
 NON_TN_MX_MAJOR = 10
 """The compute capability major whose MXFP8 kernels take non-TN layouts (8.9, 9.x and 12.x are

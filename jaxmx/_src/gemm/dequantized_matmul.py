@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.quantize.quantize import dequantize
 
 
@@ -40,3 +41,11 @@ def dequantized_matmul(a: MXArray, b: MXArray, out_dtype) -> jax.Array:
         preferred_element_type=jnp.float32,
     )
     return out.astype(out_dtype)
+
+
+DEQUANTIZED = Kernel(
+    name="dequantized",
+    run=lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
+    gathers_8bit=True,
+)
+"""Float32 dequantized operands: float32 scales, narrow tiles, unequal blocks, grouped GEMMs."""

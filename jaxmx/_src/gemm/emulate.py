@@ -48,9 +48,11 @@ from jax import lax
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.grid_array import GridArray
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.blockwise import exact_into, fits_row_relative, needs_check
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.quantize.fake import element_values
+from jaxmx._src.quantize.pow2_blocks import as_mx
 from jaxmx._src.quantize.scales import rule_of
 
 
@@ -156,3 +158,36 @@ def _without_padding(scaled, q, blocked):
         )
         scaled = bits.where(index < q.shape[q.axis], scaled, 0)
     return scaled
+
+
+EMULATE = Kernel(
+    name="emulate",
+    run=lambda a, b, out_dtype, _: emulated_matmul(untiled(a), untiled(b), out_dtype),
+    training=lambda a, b, out_dtype, _: emulated_matmul(
+        untiled(a), untiled(b), out_dtype, exact=False
+    ),
+    gathers_8bit=True,
+)
+"""Formats whose products ``code * scale`` are exact, in equal blocks, tiles as wide as the
+block. The training GEMMs run it in its row-relative frame only (``exact=False``: in every MX
+training step the exact path's check and branch would double the compile time and raise the
+step's temporaries above bfloat16's, docs/native.md)."""
+
+EMULATE_VALUES = Kernel(
+    name="emulate_values",
+    run=lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
+    training=lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype, exact=False),
+    takes_values=True,
+    gathers_8bit=True,
+)
+""":data:`EMULATE` on operands quantized straight to element values (GridArrays: a caller that
+has not quantized yet, E8M0 scales in 1-D blocks): the same bits in less time."""
+
+EMULATE_POW2_TWIN = Kernel(
+    name="emulate_pow2_twin",
+    run=lambda a, b, out_dtype, _: emulated_matmul(as_mx(a), as_mx(b), out_dtype),
+    gathers_8bit=True,
+)
+"""Block FP8 with power-of-two scales (quantized with ``scale_mode="pow2"``) as its MX twin
+through the exact emulation: exact where float32 dequantized operands would overflow (a scale of
+``2^127`` times 448) or flush (scales below ``2^-126``)."""

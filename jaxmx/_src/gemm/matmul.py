@@ -1,7 +1,8 @@
 """The MX GEMM: ``out[..., m, n] = sum_k a[..., m, k] * b[..., n, k]`` on MX operands.
 
-It checks its operands and runs the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`)
-chooses per lowering platform: an emulation, or the native custom call. The block-FP8 and FP4
+It checks its operands and runs (:func:`~jaxmx._src.gemm.kernels.execute`) the kernels the
+dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses per lowering platform: an emulation, or the
+native custom call. The block-FP8 and FP4
 GEMMs take TN operands (a K-first operand's 1-byte codes and scales are transposed for them);
 the MX GEMM takes K-first operands untransposed where the CUDA device has compute capability
 10.x (:func:`jaxmx.ffi.mx_matmul`).
@@ -18,20 +19,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.explicit_axes import on_explicit_axes
-from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, untiled
-from jaxmx._src.core.recipes import Accumulation, check_accumulation
-from jaxmx._src.gemm import native
-from jaxmx._src.gemm.accumulation import limited_matmul
-from jaxmx._src.gemm.dequantized_matmul import dequantized_matmul
+from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked
+from jaxmx._src.core.recipes import check_accumulation
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.emulate import emulated_matmul
-from jaxmx._src.gemm.scaled_dot import scaled_dot_matmul
-from jaxmx._src.quantize.pow2_blocks import as_mx
+from jaxmx._src.gemm.kernels import execute
 
 
 def matmul(
@@ -81,71 +76,9 @@ def matmul(
             accumulation=accumulation,
         )
     )
-    return on_explicit_axes(lambda a, b: run(chosen, a, b, out_dtype, accumulation), a, b)
-
-
-def run(chosen: dict[str, str], a, b, out_dtype, accumulation: Accumulation | None = None):
-    """The kernels of :func:`~jaxmx._src.gemm.dispatch.kernels` on checked operands (MXArrays,
-    or GridArrays for ``"emulate_values"``), each on its lowering platform."""
-    branches = {
-        platform: (lambda a, b, run=KERNELS[name]: run(a, b, out_dtype, accumulation))
-        for platform, name in chosen.items()
-    }
-    if len(branches) == 1:
-        return branches["default"](a, b)
-    return lax.platform_dependent(a, b, **branches)
-
-
-def _native(a: MXArray, b: MXArray, out_dtype, fast_accum: bool = False) -> jax.Array:
-    """The native GEMM of the operands' family (the first family among them, in this order, so
-    that a mixed pair gets that GEMM's error naming the operand at fault). ``fast_accum``:
-    cuBLASLt's FP8 fast accumulation for the per-tensor / per-row FP8 family, the one whose
-    GEMM takes it (the block-scaled GEMMs have no such option, and are not asked)."""
-    families = {a.format.gemm, b.format.gemm}
-    family = next((f for f in ("fp8", "block_fp8", "fp4") if f in families), "mx")
-    if family == "fp8":
-        return native.current_fp8_matmul(a, b, out_dtype, fast_accum=fast_accum)
-    if family == "block_fp8":
-        return native.block_fp8_matmul(native.tn_form(a), native.tn_form(b), out_dtype)
-    if family == "fp4":
-        return native.fp4_matmul(native.tn_form(untiled(a)), native.tn_form(untiled(b)), out_dtype)
-    return native.mx_matmul(untiled(a), untiled(b), out_dtype)
-
-
-KERNELS = {
-    "emulate": lambda a, b, out_dtype, _: emulated_matmul(untiled(a), untiled(b), out_dtype),
-    "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
-    "emulate_pow2_twin": lambda a, b, out_dtype, _: emulated_matmul(as_mx(a), as_mx(b), out_dtype),
-    "dequantized": lambda a, b, out_dtype, _: dequantized_matmul(a, b, out_dtype),
-    "limited": lambda a, b, out_dtype, acc: limited_matmul(untiled(a), untiled(b), out_dtype, acc),
-    "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype),
-    "native_pow2_twin": lambda a, b, out_dtype, _: _native(as_mx(a), as_mx(b), out_dtype),
-    "xla": lambda a, b, out_dtype, _: scaled_dot_matmul(untiled(a), untiled(b), out_dtype),
-    "xla_pow2_twin": lambda a, b, out_dtype, _: scaled_dot_matmul(as_mx(a), as_mx(b), out_dtype),
-}
-"""Each kernel of :data:`~jaxmx._src.gemm.dispatch.KERNELS` as ``(a, b, out_dtype,
-accumulation) -> out``: what :func:`jaxmx.matmul` runs, exact for every E8M0 scale span."""
-
-TRAINING_KERNELS = {
-    **KERNELS,
-    "emulate": lambda a, b, out_dtype, _: emulated_matmul(
-        untiled(a), untiled(b), out_dtype, exact=False
-    ),
-    "emulate_values": lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype, exact=False),
-}
-""":data:`KERNELS` for the training GEMMs (``dot_general``, ``ragged_dot``, FSDP): the MX
-emulation (``"emulate"``, ``"emulate_values"``) in its row-relative frame only, the others as
-:data:`KERNELS` (docs/native.md: in every MX training step the exact path's check and branch
-would double the compile time and raise the step's temporaries above bfloat16's)."""
-
-FORWARD_KERNELS = {
-    **TRAINING_KERNELS,
-    "native": lambda a, b, out_dtype, _: _native(a, b, out_dtype, fast_accum=True),
-}
-""":data:`TRAINING_KERNELS` for a training GEMM's forward GEMM: the per-tensor / per-row FP8
-family's native GEMM with cuBLASLt's fast accumulation, as TransformerEngine runs its forward
-FP8 GEMMs (its dgrad and wgrad GEMMs keep the split accumulator, as :data:`TRAINING_KERNELS`
-does)."""
+    return on_explicit_axes(
+        lambda a, b: execute(chosen, a, b, out_dtype, accumulation=accumulation), a, b
+    )
 
 
 def _check_operands(a: MXArray, b: MXArray) -> None:

@@ -42,8 +42,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.emulate import exact_or_row_relative, rescaled, with_tensor_scales
+from jaxmx._src.gemm.kernels import Kernel
+from jaxmx._src.quantize.pow2_blocks import as_mx
 from jaxmx._src.quantize.scales import relative_exponents
 
 MIN_E8M0_EXPONENT = -bits.EXPONENT_BIAS
@@ -111,3 +113,16 @@ def _zeroed(q: MXArray, blocks: jax.Array | None) -> jax.Array:
         zero = zero | (index >= q.shape[q.axis])
     codes = jnp.where(zero, jnp.zeros((), data.dtype), data.reshape(blocked))
     return codes.reshape(data.shape)
+
+
+XLA = Kernel(
+    name="xla",
+    run=lambda a, b, out_dtype, _: scaled_dot_matmul(untiled(a), untiled(b), out_dtype),
+)
+"""``backend="xla"``: MX and NVFP4 operands as stored through ``jax.lax.scaled_dot``."""
+
+XLA_POW2_TWIN = Kernel(
+    name="xla_pow2_twin",
+    run=lambda a, b, out_dtype, _: scaled_dot_matmul(as_mx(a), as_mx(b), out_dtype),
+)
+"""Block FP8 with power-of-two scales as its MX twin, through :data:`XLA`'s GEMM."""

@@ -10,8 +10,9 @@ A training GEMM (:func:`jaxmx.dot_general`, :func:`jaxmx.ragged_dot`,
 - :class:`Operand`: a high-precision operand with the format and axis it is quantized along,
   quantized where the GEMM uses it (:func:`quantized`, :func:`tiled` for weight tiles;
   :func:`per_tensor`: whether one copy serves every axis);
-- :func:`gemm`: one GEMM on the kernels the dispatcher chooses, :func:`fprop`: the forward GEMM
-  as remat policies see a stock ``lax.dot_general``;
+- :func:`gemm`: one GEMM on the kernels the dispatcher chooses (their properties, never their
+  names, say how its operands are quantized and whether it runs partitioned), :func:`fprop`:
+  the forward GEMM as remat policies see a stock ``lax.dot_general``;
 - :func:`named` and :func:`named_input`: a saved residual under its remat name
   (:data:`LHS_COLWISE`, ...); :func:`vma_like`: a cotangent typed like its primal inside
   ``shard_map``;
@@ -45,7 +46,7 @@ from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits
 from jaxmx._src.core.recipes import Recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
-from jaxmx._src.gemm.matmul import FORWARD_KERNELS, TRAINING_KERNELS
+from jaxmx._src.gemm.kernels import Kernel, execute
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
@@ -216,17 +217,18 @@ def gemm(
     like=None,
 ) -> jax.Array:
     """The GEMM of two operands, each an MXArray (a residual, a tiled weight) or an
-    :class:`Operand`, on the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses.
+    :class:`Operand`, on the kernels the dispatcher (:mod:`jaxmx._src.gemm.dispatch`) chooses,
+    run by :func:`~jaxmx._src.gemm.kernels.execute`.
 
-    Where the emulation runs an MX GEMM in 1-D blocks with float32 accumulation
-    (``"emulate_values"``), an ``Operand`` is quantized straight to element values
-    (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`): it is quantized only to be decoded
-    again, and skipping the codes gives the same result, bit for bit, in less time. Every other
-    kernel takes MXArrays.
+    Where the kernel takes element values (``Kernel.takes_values``: the emulation of an MX GEMM
+    in 1-D blocks with float32 accumulation), an ``Operand`` is quantized straight to element
+    values (:func:`~jaxmx._src.quantize.fake.quantize_to_grid`): it is quantized only to be
+    decoded again, and skipping the codes gives the same result, bit for bit, in less time.
+    Every other kernel takes MXArrays.
 
-    ``forward``: the forward GEMM, whose native per-tensor / per-row FP8 GEMM runs with
-    cuBLASLt's fast accumulation (:data:`~jaxmx._src.gemm.matmul.FORWARD_KERNELS`, as
-    TransformerEngine does); the dgrad and wgrad GEMMs keep the split accumulator.
+    ``forward``: the forward GEMM (the kernels' ``"forward"`` runners: the native per-tensor /
+    per-row FP8 GEMM with cuBLASLt's fast accumulation, as TransformerEngine does); the dgrad
+    and wgrad GEMMs run the ``"training"`` ones.
 
     ``like``: for the wgrad GEMM, an array laid out like the weight, from which a partitioned
     GEMM's result takes its sharding (:func:`~jaxmx._src.training.gathered.gathered_gemm`).
@@ -241,34 +243,32 @@ def gemm(
             to_values=True,
         )
     )
-
-    def branch(kernel: str):
-        def operand(q):
-            if isinstance(q, MXArray):
-                return q
-            to_values = kernel == "emulate_values"
-            return quantized(
-                q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=to_values
-            )
-
-        run = (FORWARD_KERNELS if forward else TRAINING_KERNELS)[kernel]
-        return lambda: run(operand(a), operand(b), out_dtype, r.accumulation)
-
     if len(chosen) == 1 and _gathers_8bit(chosen["default"]):
         return gathered_gemm(
             chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward, like
         )
-    if len(chosen) == 1:
-        return branch(chosen["default"])()
-    return lax.platform_dependent(**{p: branch(kernel) for p, kernel in chosen.items()})
+
+    def operand(kernel: Kernel, q):
+        if isinstance(q, MXArray):
+            return q
+        return quantized(
+            q.x,
+            q.key,
+            fmt=q.fmt,
+            axis=q.axis,
+            scale_mode=r.scale_mode,
+            to_values=kernel.takes_values,
+        )
+
+    role = "forward" if forward else "training"
+    return execute(chosen, a, b, out_dtype, role=role, accumulation=r.accumulation, prepare=operand)
 
 
-def _gathers_8bit(kernel: str) -> bool:
-    """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: an
-    emulation outside ``shard_map`` (whose arrays are already per-device)."""
-    return kernel in ("emulate", "emulate_values", "emulate_pow2_twin", "dequantized") and not (
-        jax.sharding.get_abstract_mesh().manual_axes
-    )
+def _gathers_8bit(kernel: Kernel) -> bool:
+    """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: a kernel
+    whose SPMD form gathers 8-bit operands (``Kernel.gathers_8bit``), outside ``shard_map``
+    (whose arrays are already per-device)."""
+    return kernel.gathers_8bit and not jax.sharding.get_abstract_mesh().manual_axes
 
 
 def _inside(r: Recipe, q: Operand | MXArray):

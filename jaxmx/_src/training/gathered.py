@@ -11,7 +11,7 @@ take a mesh axis once) and, for each dimension of an operand that the plan un-sh
 - a high-precision operand (quantized inside, 1-D blocks along its K) is quantized on its own
   device (blocks are whole inside a shard) and its codes and scales are ``all_gather`` ed as
   ``uint8``; an operand that stays sharded is quantized straight to element values as on one
-  device (``"emulate_values"``);
+  device (a kernel that ``takes_values``);
 - an MXArray (a residual copy, a tiled or per-tensor weight) has its codes and scales gathered as
   ``uint8`` (FP4 codes two per byte; float32 scales as they are: one per row or tensor, and
   NVFP4's tensor scale).
@@ -33,9 +33,10 @@ is.
 
 Example:
     >>> import jax.numpy as jnp
+    >>> from jaxmx._src.gemm.emulate import EMULATE_VALUES
     >>> from jaxmx._src.training.gathered import Quantized, gathered_gemm
     >>> a = Quantized(jnp.ones((1, 2, 64)), "mxfp8_e4m3", 2, "floor")
-    >>> gathered_gemm("emulate_values", a, a, jnp.float32).tolist()
+    >>> gathered_gemm(EMULATE_VALUES, a, a, jnp.float32).tolist()
     [[[64.0, 64.0], [64.0, 64.0]]]
 """
 
@@ -59,7 +60,7 @@ from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
-from jaxmx._src.gemm.matmul import FORWARD_KERNELS, TRAINING_KERNELS
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.partitioning import plan, reduced, spec_of
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.quantize import quantize
@@ -101,10 +102,11 @@ def quantized_inside(fmt: str, key) -> bool:
     return f.span == "block" and not f.has_global_scale and key is None
 
 
-def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None) -> jax.Array:
-    """The emulated GEMM ``kernel`` (a name of :data:`~jaxmx._src.gemm.matmul.KERNELS`) of ``a``
-    and ``b`` (each a :class:`Quantized` operand or an MXArray, with one leading batch dim),
-    partitioned so that a gathered operand crosses devices as 8-bit codes and scales.
+def gathered_gemm(kernel: Kernel, a, b, out_dtype, forward: bool = False, like=None) -> jax.Array:
+    """The emulated GEMM ``kernel`` (a :class:`~jaxmx._src.gemm.kernels.Kernel` that
+    ``gathers_8bit``) of ``a`` and ``b`` (each a :class:`Quantized` operand or an MXArray, with
+    one leading batch dim), partitioned so that a gathered operand crosses devices as 8-bit codes
+    and scales.
 
     ``like``: for a weight-gradient GEMM, an array laid out like the weight whose shape is the
     result's; the result's sharding propagates from it alone (see the module docstring). One of
@@ -140,17 +142,16 @@ def gathered_gemm(kernel: str, a, b, out_dtype, forward: bool = False, like=None
 
 @functools.cache
 def _partitioned(
-    kernel: str, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool, liked: bool
+    kernel: Kernel, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool, liked: bool
 ):
-    run = (FORWARD_KERNELS if forward else TRAINING_KERNELS)[kernel]
-    to_values = kernel == "emulate_values"
+    run = kernel.runner("forward" if forward else "training")
 
     def operand(side: _Side, arrays, gathers):
         axis = side.axis - len(side.shape)
         if side.kind == "hp":
             (x,) = arrays
             if gathers is None or not any(gathers[0]):
-                quantizer = quantize_to_grid if to_values else quantize
+                quantizer = quantize_to_grid if kernel.takes_values else quantize
                 return quantizer(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             q = quantize(x, side.fmt, axis=axis, scale_mode=side.scale_mode)
             data, scale = (_gather(t, gathers[0]) for t in (q.data, q.scale))

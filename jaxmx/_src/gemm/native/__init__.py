@@ -25,8 +25,10 @@ capability 10.x (cuBLASLt's non-TN MXFP8 layouts), transposed to TN form everywh
 jitted (one compiled call per shape when called eagerly) and vmappable; the MX and block-FP8
 GEMMs are partitioned under SPMD by :mod:`jaxmx._src.gemm.partitioning` (the per-tensor FP8 and
 the FP4 GEMMs are not: XLA gathers their operands). :mod:`.operands` checks the operands of every
-family; :mod:`.call` lowers the custom call per platform. This ``__init__`` gathers the names the
-rest of the package uses (the one ``_src`` package that re-exports).
+family; :mod:`.call` lowers the custom call per platform. Each family module defines its
+:class:`~jaxmx._src.gemm.kernels.Kernel` (``MX_KERNEL``, ...), which the dispatcher chooses.
+This ``__init__`` gathers the names the rest of the package uses (the one ``_src`` package that
+re-exports).
 
 Example:
     >>> import jax.numpy as jnp, jaxmx
@@ -37,22 +39,45 @@ Example:
     [32.0, 32.0, 32.0]
 """
 
-from jaxmx._src.gemm.native.block_fp8 import BLOCK_FP8_FORMATS, BLOCK_FP8_TARGET, block_fp8_matmul
+from jaxmx._src.gemm.native.block_fp8 import (
+    BLOCK_FP8_FORMATS,
+    BLOCK_FP8_KERNEL,
+    BLOCK_FP8_TARGET,
+    BLOCK_TILE,
+    block_fp8_matmul,
+)
 from jaxmx._src.gemm.native.call import WORKSPACE_BYTES
-from jaxmx._src.gemm.native.current_fp8 import CURRENT_FP8_FORMATS, current_fp8_matmul, tn_codes
-from jaxmx._src.gemm.native.fp4 import FP4_FORMATS, FP4_TARGET, fp4_matmul, fp4_scales
+from jaxmx._src.gemm.native.current_fp8 import (
+    CURRENT_FP8_FORMATS,
+    FP8_KERNEL,
+    current_fp8_matmul,
+    tn_codes,
+)
+from jaxmx._src.gemm.native.fp4 import FP4_FORMATS, FP4_KERNEL, FP4_TARGET, fp4_matmul, fp4_scales
 from jaxmx._src.gemm.native.fp8 import FP8_TARGET, fp8_matmul
-from jaxmx._src.gemm.native.mx import MX_TARGET, MXFP8_FORMATS, mx_matmul
+from jaxmx._src.gemm.native.mx import (
+    MX_KERNEL,
+    MX_POW2_TWIN_KERNEL,
+    MX_TARGET,
+    MXFP8_FORMATS,
+    mx_matmul,
+)
 from jaxmx._src.gemm.native.operands import tn_form
 
 __all__ = [
     "BLOCK_FP8_FORMATS",
+    "BLOCK_FP8_KERNEL",
     "BLOCK_FP8_TARGET",
+    "BLOCK_TILE",
     "CURRENT_FP8_FORMATS",
     "FP4_FORMATS",
+    "FP4_KERNEL",
     "FP4_TARGET",
+    "FP8_KERNEL",
     "FP8_TARGET",
     "MXFP8_FORMATS",
+    "MX_KERNEL",
+    "MX_POW2_TWIN_KERNEL",
     "MX_TARGET",
     "WORKSPACE_BYTES",
     "block_fp8_matmul",

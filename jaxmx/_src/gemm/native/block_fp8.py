@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.batching import vmappable
-from jaxmx._src.gemm.dispatch import NATIVE_BLOCK_FP8_TILE
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.native.call import custom_call
-from jaxmx._src.gemm.native.operands import checked_pair, zero_padding
+from jaxmx._src.gemm.native.operands import checked_pair, tn_form, zero_padding
 from jaxmx._src.gemm.partitioning import partitioned_gemm
 
 BLOCK_FP8_TARGET = "jaxmx_block_fp8_matmul"
@@ -32,8 +32,9 @@ BLOCK_FP8_FORMATS = formats_of(gemm="block_fp8")
 """The formats the native block-FP8 GEMM takes (1x128 blocks or 128x128 tiles, float32 scales),
 in any pair but E5M2 x E5M2."""
 
-BLOCK_TILE = NATIVE_BLOCK_FP8_TILE
-"""Block FP8: scales per 1x128 block along K, or per 128x128 tile."""
+BLOCK_TILE = 128
+"""Block FP8: scales per 1x128 block along K, or per 128x128 tile (the one tile the GEMM
+takes: DeepSeek-V3's weight tiles)."""
 
 
 def block_fp8_matmul(a: MXArray, b: MXArray, out_dtype=jnp.bfloat16) -> jax.Array:
@@ -133,3 +134,12 @@ def _block_operand(data, scale, tiled: bool, row_multiple: int):
         return data, jnp.pad(scale[..., ::BLOCK_TILE, :], pad)
     pad = [(0, 0)] * (data.ndim - 2) + [(0, -data.shape[-2] % row_multiple), (0, 0)]
     return jnp.pad(data, pad), jnp.pad(scale, pad).swapaxes(-1, -2)
+
+
+BLOCK_FP8_KERNEL = Kernel(
+    name="native",
+    run=lambda a, b, out_dtype, _: block_fp8_matmul(tn_form(a), tn_form(b), out_dtype),
+    needs="block_fp8",
+    platform="cuda",
+)
+"""The native block-FP8 GEMM as a kernel (K-first operands transposed to TN form)."""

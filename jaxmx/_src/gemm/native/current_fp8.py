@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.native.fp8 import fp8_matmul
 from jaxmx._src.gemm.native.operands import checked_pair, tn_form
 
@@ -114,3 +115,15 @@ def _mantissa_exponent(s: jax.Array) -> tuple[jax.Array, jax.Array]:
     f = bits.from_bits((u & bits.MANTISSA_MASK) | 0x3F800000)
     e = ((u >> bits.MANTISSA_BITS) & 0xFF) - 127
     return jnp.where(jnp.isnan(s), jnp.nan, f), e
+
+
+FP8_KERNEL = Kernel(
+    name="native",
+    run=lambda a, b, out_dtype, _: current_fp8_matmul(a, b, out_dtype),
+    forward=lambda a, b, out_dtype, _: current_fp8_matmul(a, b, out_dtype, fast_accum=True),
+    needs="fp8",
+    platform="cuda",
+)
+"""The per-tensor / per-row FP8 formats' native GEMM as a kernel; a training GEMM's forward GEMM
+runs with cuBLASLt's fast accumulation, as TransformerEngine runs its forward FP8 GEMMs (its
+dgrad and wgrad GEMMs keep the split accumulator)."""

@@ -24,8 +24,9 @@ from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm.batching import vmappable
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.native.call import custom_call, pad_rows
-from jaxmx._src.gemm.native.operands import checked_pair
+from jaxmx._src.gemm.native.operands import checked_pair, tn_form
 
 FP4_TARGET = "jaxmx_fp4_matmul"
 
@@ -139,3 +140,12 @@ def _fp4_call(out_dtype, nvfp4: bool):
         )
 
     return jax.jit(vmappable(impl, fold=(True, False, True, False, False, False)))
+
+
+FP4_KERNEL = Kernel(
+    name="native",
+    run=lambda a, b, out_dtype, _: fp4_matmul(tn_form(untiled(a)), tn_form(untiled(b)), out_dtype),
+    needs="fp4",
+    platform="cuda",
+)
+"""The native FP4 GEMM as a kernel (K-first operands transposed to TN form)."""

@@ -20,13 +20,15 @@ import jax.numpy as jnp
 
 from jaxmx._src.core import bits
 from jaxmx._src.core.formats import formats_of, get_format
-from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm import capabilities
 from jaxmx._src.gemm.batching import vmappable
+from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.native.call import custom_call, pad_rows
 from jaxmx._src.gemm.native.operands import checked_pair, is_k_first, tn_form, zero_padding
 from jaxmx._src.gemm.partitioning import partitioned_gemm
+from jaxmx._src.quantize.pow2_blocks import as_mx
 
 MX_TARGET = "jaxmx_mx_matmul"
 
@@ -124,3 +126,21 @@ def _k_first_operand(data, scale, row_multiple: int):
     """
     pad = [(0, 0)] * (data.ndim - 1) + [(0, -data.shape[-1] % row_multiple)]
     return jnp.pad(data, pad), jnp.pad(bits.as_bytes(scale), pad).swapaxes(-1, -2)
+
+
+MX_KERNEL = Kernel(
+    name="native",
+    run=lambda a, b, out_dtype, _: mx_matmul(untiled(a), untiled(b), out_dtype),
+    needs="mx",
+    platform="cuda",
+)
+"""The native MX GEMM as a kernel."""
+
+MX_POW2_TWIN_KERNEL = Kernel(
+    name="native_pow2_twin",
+    run=lambda a, b, out_dtype, _: mx_matmul(untiled(as_mx(a)), untiled(as_mx(b)), out_dtype),
+    needs="mx",
+    platform="cuda",
+)
+"""Block FP8 with power-of-two scales, re-encoded as its MX twin, on the native MX GEMM (a device
+with the MX GEMM but not the block-FP8 one: Blackwell)."""

@@ -22,7 +22,7 @@ from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
 from jaxmx._src.gemm import extension
-from jaxmx._src.gemm.dispatch import native_pair
+from jaxmx._src.gemm.capabilities import native_pair
 
 
 def checked_pair(a, b, out_dtype, fn: str, formats: tuple[str, ...], *, k_first_ok: bool):

@@ -4,8 +4,10 @@ by a fixture): quantize against the per-kind reference of tests/reference.py (co
 values), dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``,
 fake quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of
 the float64 product of the dequantized operands, ``vmap`` equal to a loop and ``jit`` equal to
-eager. What a property does not apply to is read from the entry (``span``, ``code_bits``,
-``gemm_operand``), never from its name."""
+eager. What a property does not apply to is read from the entry (``span``, ``word_coded``,
+``gemm_operand``), never from its name. Each format runs its default scale rule on finite inputs
+in 1-D blocks; other scale rules, tiles, stochastic rounding and non-finite values are the
+per-feature tests' (test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
 
 import dataclasses
 

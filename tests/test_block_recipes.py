@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_block_fp8 import reference_block_fp8
+import reference as ref
 from test_dot_general import outlier_inputs as dense_outlier_inputs
 from test_dot_general import ref_fake_quant, summation_bound, vjp
 
@@ -19,7 +19,7 @@ TN = (((1,), (1,)), ((), ()))
 
 def block_fake_quant(x, fmt, mode, tile=None):
     """numpy: x [R, C] quantized along its last axis (or in tiles), dequantized in float32."""
-    codes, scales = reference_block_fp8(x, fmt, mode, -1, tile)
+    codes, scales = ref.block_fp8(x, fmt, mode, -1, tile)
     rows, cols = tile or (1, 128)
     expanded = np.repeat(np.repeat(scales, rows, -2), cols, -1)
     out = codes.astype(np.float32) * expanded

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference as ref
 from machines import BLACKWELL, BLACKWELL_12X, HOPPER
 from test_cublaslt_core import Machine, build, placed, plain_matmul
-from test_tensor_row_fp8 import ref_quantize
 
 import jaxmx
 from jaxmx import recipes
@@ -42,7 +42,7 @@ PAIRS = [  # cuBLASLt's FP8 type table, without E5M2 x E5M2
 
 def decoded(x, fmt, axis, mode):
     """float64 values of the reference quantization of ``x`` along ``axis``."""
-    codes, scale = ref_quantize(x, fmt, axis, mode)
+    codes, scale = ref.current_fp8(x, fmt, axis, mode)
     return codes.astype(np.float64) / scale.astype(np.float64)
 
 
@@ -290,8 +290,8 @@ def test_the_double_refuses_what_cublaslt_refuses_and_takes_the_prepared_operand
         assert gpu.gemm(placed(a_codes), placed(b_codes), one, one, d, mx=False) == ("ok", "")
         (call,) = gpu.matmuls()
         assert (call.transa, call.transb) == (1, 0)
-        ca = ref_quantize(x.T, "fp8_e4m3_tensor", 1)[0].astype(np.float64)
-        cb = ref_quantize(w, "fp8_e5m2_row", 1)[0].astype(np.float64)
+        ca = ref.current_fp8(x.T, "fp8_e4m3_tensor", 1)[0].astype(np.float64)
+        cb = ref.current_fp8(w, "fp8_e5m2_row", 1)[0].astype(np.float64)
         assert_within_bound(d[0], ca @ cb.T, np.abs(ca) @ np.abs(cb).T, 40)
     finally:
         gpu.close()

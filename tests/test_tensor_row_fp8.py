@@ -1,6 +1,6 @@
 """Per-tensor and per-row FP8 (``fp8_e4m3_tensor``, ``fp8_e5m2_tensor``, ``fp8_e4m3_row``,
 ``fp8_e5m2_row``) and their recipes, against an independent numpy + ml_dtypes model of torchao's
-current scaling (``amax_to_scale``) written here."""
+current scaling (``amax_to_scale``) in tests/reference.py."""
 
 import functools
 
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import reference as ref
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,38 +18,8 @@ from jaxmx import recipes
 
 TENSOR = ("fp8_e4m3_tensor", "fp8_e5m2_tensor")
 ROW = ("fp8_e4m3_row", "fp8_e5m2_row")
-ELEMENTS = {
-    "e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
-    "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
-}
 TN = (((1,), (1,)), ((), ()))
 EMULATE = dict(backend="emulate")
-
-
-# --- the reference -----------------------------------------------------------------------------
-
-
-def ref_quantize(x, fmt: str, axis: int, scale_mode: str = "fp32"):
-    """(codes, float32 scales) as torchao computes them: amax per tensor or per row, the scale
-    ``elem_max / max(amax, 1e-12)`` in float64 rounded to float32 (``pow2``: rounded down to a
-    power of two), codes the RNE cast of ``clip(x * scale)``; NaN scale for a NaN/inf amax."""
-    dtype, elem_max = ELEMENTS[fmt.split("_")[1]]
-    x = np.asarray(np.asarray(x).astype(np.float32))
-    a = np.abs(x)
-    amax = a.max(keepdims=True) if fmt.endswith("tensor") else a.max(axis=axis, keepdims=True)
-    with np.errstate(all="ignore"):
-        scale = (elem_max / np.maximum(amax.astype(np.float64), 1e-12)).astype(np.float32)
-        if scale_mode == "pow2":
-            _, e = np.frexp(scale)  # scale = m * 2^e, m in [0.5, 1)
-            scale = np.ldexp(np.float32(1.0), e - 1).astype(np.float32)
-        scale = np.where(np.isfinite(amax), scale, np.float32(np.nan)).astype(np.float32)
-        codes = np.clip(x * scale, -elem_max, elem_max).astype(dtype)
-    return codes, scale
-
-
-def ref_decode(codes, scale):
-    with np.errstate(all="ignore"):
-        return codes.astype(np.float32) / scale
 
 
 def assert_same_bits(got, want, uint):
@@ -97,11 +68,11 @@ def test_per_row_quantization_matches_the_reference_on_every_axis(fmt, scale_mod
     x = adversarial_rows()
     for axis in range(x.ndim):
         q = jaxmx.quantize(x, fmt, axis=axis, scale_mode=scale_mode)
-        codes, scale = ref_quantize(x, fmt, axis, scale_mode)
+        codes, scale = ref.current_fp8(x, fmt, axis, scale_mode)
         assert q.data.shape == x.shape and q.scale.shape == scale.shape, axis
         assert_same_bits(q.data, codes, np.uint8)
         assert_same_bits(q.scale, scale, np.uint32)
-        assert_same_bits(jaxmx.dequantize(q), ref_decode(codes, scale), np.uint32)
+        assert_same_bits(jaxmx.dequantize(q), ref.current_fp8_decoded(codes, scale), np.uint32)
 
 
 @pytest.mark.parametrize("scale_mode", ["fp32", "pow2"])
@@ -109,11 +80,11 @@ def test_per_row_quantization_matches_the_reference_on_every_axis(fmt, scale_mod
 def test_per_tensor_quantization_matches_the_reference(fmt, scale_mode):
     for i, x in enumerate(tensor_cases()):
         q = jaxmx.quantize(x, fmt, axis=i % 2, scale_mode=scale_mode)
-        codes, scale = ref_quantize(x, fmt, None, scale_mode)
+        codes, scale = ref.current_fp8(x, fmt, None, scale_mode)
         assert q.scale.shape == (1, 1), q.scale.shape
         assert_same_bits(q.data, codes, np.uint8)
         assert_same_bits(q.scale, scale, np.uint32)
-        assert_same_bits(jaxmx.dequantize(q), ref_decode(codes, scale), np.uint32)
+        assert_same_bits(jaxmx.dequantize(q), ref.current_fp8_decoded(codes, scale), np.uint32)
 
 
 def test_all_zero_and_nonfinite_tensors_give_the_documented_scales():
@@ -131,7 +102,7 @@ def test_bfloat16_and_float16_inputs_quantize_as_their_float32_values(fmt):
     for dtype in (jnp.bfloat16, jnp.float16):
         xl = jnp.asarray(x * 100, dtype)
         q = jaxmx.quantize(xl, fmt, axis=0)
-        codes, scale = ref_quantize(np.asarray(xl.astype(jnp.float32)), fmt, 0)
+        codes, scale = ref.current_fp8(np.asarray(xl.astype(jnp.float32)), fmt, 0)
         assert_same_bits(q.data, codes, np.uint8)
         assert_same_bits(q.scale, scale, np.uint32)
         assert jaxmx.dequantize(q, dtype).dtype == dtype
@@ -140,10 +111,12 @@ def test_bfloat16_and_float16_inputs_quantize_as_their_float32_values(fmt):
 @pytest.mark.parametrize("fmt", TENSOR + ROW)
 def test_fake_quantize_and_both_copies_equal_the_reference(fmt):
     x = adversarial_rows()[1]
-    want_row = ref_quantize(x, fmt, 1)
-    np.testing.assert_array_equal(jaxmx.fake_quantize(x, fmt, axis=1), ref_decode(*want_row))
+    want_row = ref.current_fp8(x, fmt, 1)
+    np.testing.assert_array_equal(
+        jaxmx.fake_quantize(x, fmt, axis=1), ref.current_fp8_decoded(*want_row)
+    )
     row, col_t = jaxmx.quantize_rowwise_colwise(jnp.asarray(x), fmt)
-    codes, scale = ref_quantize(x.T, fmt, 1)
+    codes, scale = ref.current_fp8(x.T, fmt, 1)
     assert_same_bits(row.data, want_row[0], np.uint8)
     assert_same_bits(col_t.data, codes, np.uint8)
     assert_same_bits(col_t.scale, scale, np.uint32)
@@ -153,7 +126,7 @@ def test_fake_quantize_and_both_copies_equal_the_reference(fmt):
 def test_stochastic_rounding_picks_a_neighbour_with_the_same_scale():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 64)), jnp.float32)
     q = jaxmx.quantize(x, "fp8_e4m3_row", axis=1, key=jax.random.key(0))
-    _, scale = ref_quantize(np.asarray(x), "fp8_e4m3_row", 1)
+    _, scale = ref.current_fp8(np.asarray(x), "fp8_e4m3_row", 1)
     assert_same_bits(q.scale, scale, np.uint32)
     scaled = np.asarray(x) * scale
     got = np.asarray(q.data).astype(np.float32)
@@ -202,7 +175,7 @@ def test_mxarray_checks_the_scale_shapes_of_one_scale_per_tensor_or_row():
     assert batched.scale.shape == (2, 1)
     np.testing.assert_array_equal(
         jaxmx.dequantize(batched)[1],
-        ref_decode(*ref_quantize(np.arange(3.0, 6.0), "fp8_e4m3_tensor", None)),
+        ref.current_fp8_decoded(*ref.current_fp8(np.arange(3.0, 6.0), "fp8_e4m3_tensor", None)),
     )
 
 
@@ -212,8 +185,8 @@ def test_mxarray_checks_the_scale_shapes_of_one_scale_per_tensor_or_row():
 def ref_gemm(a, fa, a_axis, b, fb, b_axis, mode):
     """float64 ``a @ b.T`` of the reference-quantized operands (``a [M, K]``, ``b [N, K]``,
     each quantized along the given axis)."""
-    da = ref_decode(*ref_quantize(a, fa, a_axis, mode)).astype(np.float64)
-    db = ref_decode(*ref_quantize(b, fb, b_axis, mode)).astype(np.float64)
+    da = ref.current_fp8_decoded(*ref.current_fp8(a, fa, a_axis, mode)).astype(np.float64)
+    db = ref.current_fp8_decoded(*ref.current_fp8(b, fb, b_axis, mode)).astype(np.float64)
     return da @ db.T
 
 
@@ -340,6 +313,6 @@ def test_under_jit_a_sharded_tensor_gets_the_global_amax():
     sharded = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
     for fmt, axis in (("fp8_e4m3_tensor", 1), ("fp8_e5m2_row", 0), ("fp8_e4m3_row", 1)):
         q = jax.jit(lambda x: jaxmx.quantize(x, fmt, axis=axis))(sharded)  # noqa: B023
-        codes, scale = ref_quantize(x, fmt, axis)
+        codes, scale = ref.current_fp8(x, fmt, axis)
         assert_same_bits(q.data, codes, np.uint8)
         assert_same_bits(q.scale, scale, np.uint32)

@@ -1,0 +1,152 @@
+"""Properties every format of ``jaxmx.FORMATS`` keeps, one parameter per table entry (and two
+made-up entries, a 16-element-block MXFP8 and an MXFP4 in 64-element blocks, added to the table
+by a fixture): quantize against the per-kind reference of tests/reference.py (codes, scales,
+values), dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``,
+fake quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of
+the float64 product of the dequantized operands, ``vmap`` equal to a loop and ``jit`` equal to
+eager. What a property does not apply to is read from the entry (``span``, ``word_coded``,
+``gemm_operand``), never from its name. Each format runs its default scale rule on finite inputs
+in 1-D blocks; other scale rules, tiles, stochastic rounding and non-finite values are the
+per-feature tests' (test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import reference as ref
+
+import jaxmx
+from jaxmx._src.core import formats
+
+MADE_UP = {
+    f.name: f
+    for f in (
+        dataclasses.replace(formats.FORMATS["mxfp8_e4m3"], name="mxfp8_e4m3_b16", block=16),
+        dataclasses.replace(formats.FORMATS["mxfp4"], name="mxfp4_b64", block=64),
+    )
+}
+NAMES = (*formats.FORMATS, *MADE_UP)
+
+
+@pytest.fixture(params=NAMES)
+def f(request, monkeypatch):
+    """A format table entry; a made-up one is added to the table for the test."""
+    if request.param in MADE_UP:
+        monkeypatch.setitem(formats.FORMATS, request.param, MADE_UP[request.param])
+    assert jaxmx.FORMATS is formats.FORMATS
+    return jaxmx.FORMATS[request.param]
+
+
+def width(f) -> int:
+    """A K of two whole blocks and a partial one (for one scale per row or tensor: 35)."""
+    return 2 * f.block + 3 if f.block > 1 else 35
+
+
+def inputs(shape, seed=0) -> np.ndarray:
+    """float32 values of mixed magnitudes (2^-8 to 2^8), the first block of the first row zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, shape))
+    x[..., 0, :2] = 0.0
+    return x.astype(np.float32)
+
+
+def bits(a) -> np.ndarray:
+    """The bits of an array (any float or integer type) as unsigned integers of its width."""
+    a = np.asarray(a)
+    return a.view(f"uint{8 * a.dtype.itemsize}")
+
+
+def leaves(q) -> list[np.ndarray]:
+    """The bits of every array of an MXArray (codes, scales, tensor scale)."""
+    return [bits(a) for a in jax.tree.leaves(q)]
+
+
+def assert_same_leaves(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_quantize_matches_the_reference(f, axis):
+    x = inputs((4, width(f)))
+    x = x if axis == 1 else x.T
+    q = jaxmx.quantize(jnp.asarray(x), f.name, axis=axis)
+    want = ref.quantized(f, x, axis)
+    np.testing.assert_array_equal(bits(q.scale), bits(want.scales))
+    if want.codes is not None:
+        np.testing.assert_array_equal(bits(q.data), bits(want.codes))
+    if want.global_scale is not None:
+        np.testing.assert_array_equal(bits(q.global_scale), bits(want.global_scale))
+    got = np.asarray(jaxmx.dequantize(q), np.float64)
+    np.testing.assert_array_equal(got, want.values.astype(np.float32))
+
+
+def test_dequantized_values_are_a_fixed_point(f):
+    x = jnp.asarray(inputs((4, width(f))))
+    once = jaxmx.dequantize(jaxmx.quantize(x, f.name))
+    twice = jaxmx.dequantize(jaxmx.quantize(once, f.name))
+    np.testing.assert_array_equal(bits(twice), bits(once))
+
+
+def test_pallas_equals_xla(f):
+    x = jnp.asarray(inputs((4, width(f))))
+    if f.span != "block" or f.word_coded:
+        with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel"):
+            jaxmx.quantize(x, f.name, impl="pallas")
+        pytest.skip(f"impl='pallas' refuses {f.name}: one scale per {f.span}, {f.bits}-bit codes")
+    got = jaxmx.quantize(x, f.name, impl="pallas")
+    assert_same_leaves(leaves(got), leaves(jaxmx.quantize(x, f.name, impl="xla")))
+
+
+def test_fake_quantize_equals_dequantize_of_quantize(f):
+    x = jnp.asarray(inputs((4, width(f))))
+    want = jaxmx.dequantize(jaxmx.quantize(x, f.name))
+    np.testing.assert_array_equal(bits(jaxmx.fake_quantize(x, f.name)), bits(want))
+
+
+def test_emulated_gemm_is_within_the_float32_bound_of_the_float64_product(f):
+    """The emulation sums K products in float32: each product and partial sum rounds once
+    (relative error 2^-24 each), and decoding a float32-scaled operand rounds once more, so
+    ``|C - A @ B^T| <= (K + 2) * 2^-24 * |A| @ |B|^T`` for the exact float64 product of the
+    dequantized operands A and B."""
+    k = width(f)
+    a = jaxmx.quantize(jnp.asarray(inputs((4, k), seed=1)), f.name)
+    b = jaxmx.quantize(jnp.asarray(inputs((4, k), seed=2)), f.name)
+    if not f.gemm_operand:
+        with pytest.raises(ValueError, match="storage-only"):
+            jaxmx.matmul(a, b, out_dtype=jnp.float32, backend="emulate")
+        pytest.skip(f"{f.name} is storage-only (Format.gemm_operand is False)")
+    got = np.asarray(jaxmx.matmul(a, b, out_dtype=jnp.float32, backend="emulate"), np.float64)
+    da = np.asarray(jaxmx.dequantize(a), np.float64)
+    db = np.asarray(jaxmx.dequantize(b), np.float64)
+    bound = (k + 2) * 2.0**-24 * (np.abs(da) @ np.abs(db).T)
+    assert np.all(np.abs(got - da @ db.T) <= bound)
+
+
+def test_vmap_equals_a_loop(f):
+    xs = jnp.asarray(inputs((2, 4, width(f))))
+
+    def quantized(x):
+        q = jaxmx.quantize(x, f.name)
+        return jax.tree.leaves(q), jaxmx.dequantize(q)
+
+    got_leaves, got = jax.jit(jax.vmap(quantized))(xs)
+    for i in range(xs.shape[0]):
+        want_leaves, want = quantized(xs[i])
+        assert_same_leaves([bits(a[i]) for a in got_leaves], [bits(a) for a in want_leaves])
+        np.testing.assert_array_equal(bits(got[i]), bits(want))
+
+
+def test_jit_equals_eager(f):
+    x = jnp.asarray(inputs((4, width(f))))
+
+    def quantized(x):
+        q = jaxmx.quantize(x, f.name)
+        return jax.tree.leaves(q), jaxmx.dequantize(q)
+
+    (got_leaves, got), (want_leaves, want) = jax.jit(quantized)(x), quantized(x)
+    assert_same_leaves([bits(a) for a in got_leaves], [bits(a) for a in want_leaves])
+    np.testing.assert_array_equal(bits(got), bits(want))

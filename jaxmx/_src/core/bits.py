@@ -272,6 +272,10 @@ def scale_by_pow2(x: jnp.ndarray, k: jnp.ndarray, axis: int | None = None) -> jn
     the smallest subnormal of every MX element format and round to zero anyway. ``k = -127``
     (the largest block exponent where emax is 0: MXINT8) is applied to the exponent field, as
     no float32 factor (nor a product of two, which XLA may fold) is 2^-127 without flushing.
+
+    ``axis``: ``k`` holds one exponent per block, without ``x``'s axis ``axis`` (the block's
+    elements); its factors are computed per block and expanded there, where they meet the
+    elements, so XLA has no reshape to sink through their arithmetic.
     """
     per_element = (lambda v: v) if axis is None else (lambda v: jnp.expand_dims(v, axis))
     bits = to_bits(x)

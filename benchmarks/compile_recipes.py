@@ -19,6 +19,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from compile_time import add_size_flags, sized_config
 
 from jaxmx.demo.losses import loss_fn, rounding
 from jaxmx.demo.train import RECIPES, Config, build_model, get_recipe
@@ -62,13 +63,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--rounds", type=int, default=1)
-    defaults = Config()
-    for name in ("d_model", "layers", "heads", "seq_len", "batch"):  # the demo's flags
-        flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=int, default=getattr(defaults, name))
+    add_size_flags(parser)
     args = parser.parse_args()
-    sizes = ("d_model", "layers", "heads", "seq_len", "batch")
-    cfg = Config(**{k: getattr(args, k) for k in sizes})
+    cfg = sized_config(args)
     names = ["stock bf16", *args.recipes.split(",")]
     recipes = {n: None if n == "stock bf16" else get_recipe(n) for n in names}
     best: dict[str, dict] = {}

@@ -38,15 +38,27 @@ def compiling(fn, *args):
     return lambda: jax.jit(fn).lower(*args).compile() and None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+SIZES = ("d_model", "layers", "heads", "seq_len", "batch")
+"""The demo model's size fields, each a flag of the compile benchmarks (``--d-model`` ...)."""
+
+
+def add_size_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds the demo's size flags (:data:`SIZES`, the demo's defaults) to ``parser``."""
     defaults = Config()
-    for name in ("d_model", "layers", "heads", "seq_len", "batch"):  # the demo's flags
+    for name in SIZES:
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, type=int, default=getattr(defaults, name))
-    args = parser.parse_args()
-    sizes = ("d_model", "layers", "heads", "seq_len", "batch")
-    cfg = Config(**{k: getattr(args, k) for k in sizes})
+
+
+def sized_config(args: argparse.Namespace) -> Config:
+    """The demo's :class:`Config` with the sizes of parsed :func:`add_size_flags` flags."""
+    return Config(**{k: getattr(args, k) for k in SIZES})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_size_flags(parser)
+    cfg = sized_config(parser.parse_args())
     x = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
     mxfp8 = build_model(cfg, get_recipe("mxfp8"))
     step = jax.value_and_grad(loss_fn)

@@ -94,7 +94,7 @@ def test_a_tiled_weight_is_quantized_once_per_step(recipe):
     # one tiled quantization (training/contract.py: tiled), used by fprop and dgrad
     assert len(re.findall(r"\bname=tiled\b", text)) == 1
     # x columnwise (the residual) here; x rowwise, g rowwise and columnwise inside the three
-    # GEMMs' partitioning rules (jaxmx/_src/training/gathered.py); none of w
+    # GEMMs' partitioning rules (jaxmx/_src/gemm/gathered.py); none of w
     assert len(re.findall(r"\bname=quantized\b", text)) == 1
     assert text.count("custom_partitioning") == 4  # the three GEMMs and the tiled weight
 

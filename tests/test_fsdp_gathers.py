@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmx
 from jaxmx._src.core.dtypes import to_bits
-from jaxmx._src.training.local_quantize import local_quantize
+from jaxmx._src.quantize.local_quantize import local_quantize
 from jaxmx.diagnostics import collective_bytes
 
 DIMS = (((1,), (1,)), ((), ()))

@@ -53,7 +53,7 @@ LAZY_ALLOWED = ("jaxmx._ffi",)
 PRIVATE_NAMES_ALLOWED = ("jaxmx._ffi",)
 JAX_PRIVATE_ALLOWED = {
     # the decode of the shardings XLA hands a custom_partitioning rule: no public API
-    "jaxmx._src.gemm.partitioning": ("jax._src.sharding_impls",),
+    "jaxmx._src.core.block_sharding": ("jax._src.sharding_impls",),
 }
 
 

@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 import jax
+from jax._src import sharding_impls
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -144,3 +145,36 @@ def misaligned_message(
         f"{block * n}), shard this dimension over fewer devices, or leave it unsharded"
     )
     return text + (f" ({d.fix})." if d.fix else ".")
+
+
+def _decoded_spec(sharding, mesh) -> tuple:
+    """The ``PartitionSpec`` entries of a sharding XLA hands a ``custom_partitioning`` rule
+    (a GSPMD sharding, not a ``NamedSharding``) over ``mesh``.
+
+    JAX has no public API for this decode: its own partitioning rules use this private one
+    (``jax._src.sharding_impls.parse_flatten_op_sharding``), pinned by the SPMD tests
+    (tests/test_spmd.py). The one ``jax._src`` use in jaxmx; tests/test_layers.py allows it here
+    only.
+    """
+    return tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
+
+
+def spec_of(shape, mesh, where: str, block: int) -> tuple:
+    """The ``PartitionSpec`` entries of an argument's (undecoded) sharding, one per dimension."""
+    sharding = getattr(shape, "sharding", None)
+    ndim = len(shape.shape)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+    elif sharding is None:
+        spec = ()
+    else:
+        try:
+            spec = _decoded_spec(sharding, mesh)
+        except Exception:  # split over mesh sub-axes: a dimension not divisible by its shards
+            raise BlockShardingError(
+                f"{where}: an operand of shape {tuple(shape.shape)} is sharded into pieces that "
+                f"do not divide its dimensions ({sharding}); a sharded K must hold whole "
+                f"{block}-element blocks per device. Make K a multiple of {block} x the number "
+                "of shards, or leave it unsharded."
+            ) from None
+    return spec + (None,) * (ndim - len(spec))

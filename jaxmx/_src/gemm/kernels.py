@@ -63,7 +63,7 @@ class Kernel:
     # quantizes, MXArrays otherwise
     takes_values: bool = False
     # plain JAX that, under SPMD outside shard_map, runs partitioned with its operands gathered
-    # as 8-bit codes and scales (jaxmx._src.training.gathered)
+    # as 8-bit codes and scales (jaxmx._src.gemm.gathered)
     gathers_8bit: bool = False
 
     def runner(self, role: str) -> Runner:

@@ -6,7 +6,7 @@ gathering its operands: rows M of the lhs, rows N of the rhs and the batch dims 
 sharded together with its K/32 scale blocks, and a sharded K ends in a float32 ``psum`` (or
 a ``psum_scatter`` when the result is wanted sharded along the same mesh axes). 8-bit codes and
 scales travel as ``uint8``. A K that would split a block raises :class:`BlockShardingError` from
-the rule. (The emulated training GEMMs use the same plan: :mod:`jaxmx._src.training.gathered`.)
+the rule. (The emulated training GEMMs use the same plan: :mod:`jaxmx._src.gemm.gathered`.)
 
 Example:
     >>> import jax.numpy as jnp
@@ -29,7 +29,6 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,6 +39,7 @@ from jaxmx._src.core.block_sharding import (
     ReducedAxis,
     mesh_axes,
     misaligned_message,
+    spec_of,
 )
 from jaxmx._src.core.exportable import exportable
 
@@ -212,36 +212,3 @@ def plan(
         arg_shardings=(a_sh, b_sh, a_sh, b_sh),
         result_sharding=named(*out_dims),
     )
-
-
-def _decoded_spec(sharding, mesh) -> tuple:
-    """The ``PartitionSpec`` entries of a sharding XLA hands a ``custom_partitioning`` rule
-    (a GSPMD sharding, not a ``NamedSharding``) over ``mesh``.
-
-    JAX has no public API for this decode: its own partitioning rules use this private one
-    (``jax._src.sharding_impls.parse_flatten_op_sharding``), pinned by the SPMD tests
-    (tests/test_spmd.py). The one ``jax._src`` use in jaxmx; tests/test_layers.py allows it here
-    only.
-    """
-    return tuple(sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
-
-
-def spec_of(shape, mesh, where: str, block: int) -> tuple:
-    """The ``PartitionSpec`` entries of an argument's (undecoded) sharding, one per dimension."""
-    sharding = getattr(shape, "sharding", None)
-    ndim = len(shape.shape)
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec)
-    elif sharding is None:
-        spec = ()
-    else:
-        try:
-            spec = _decoded_spec(sharding, mesh)
-        except Exception:  # split over mesh sub-axes: a dimension not divisible by its shards
-            raise BlockShardingError(
-                f"{where}: an operand of shape {tuple(shape.shape)} is sharded into pieces that "
-                f"do not divide its dimensions ({sharding}); a sharded K must hold whole "
-                f"{block}-element blocks per device. Make K a multiple of {block} x the number "
-                "of shards, or leave it unsharded."
-            ) from None
-    return spec + (None,) * (ndim - len(spec))

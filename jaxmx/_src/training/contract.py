@@ -46,12 +46,12 @@ from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits
 from jaxmx._src.core.recipes import Recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels
+from jaxmx._src.gemm.gathered import Quantized, gathered_gemm, quantized_inside
 from jaxmx._src.gemm.kernels import Kernel, execute
 from jaxmx._src.quantize.fake import quantize_to_grid
+from jaxmx._src.quantize.local_quantize import local_quantize
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training import scope
-from jaxmx._src.training.gathered import Quantized, gathered_gemm, quantized_inside
-from jaxmx._src.training.local_quantize import local_quantize
 from jaxmx._src.training.remat import opaque, presented_as_dot
 
 LHS_COLWISE = "jaxmx_lhs_colwise"
@@ -231,7 +231,7 @@ def gemm(
     and wgrad GEMMs run the ``"training"`` ones.
 
     ``like``: for the wgrad GEMM, an array laid out like the weight, from which a partitioned
-    GEMM's result takes its sharding (:func:`~jaxmx._src.training.gathered.gathered_gemm`).
+    GEMM's result takes its sharding (:func:`~jaxmx._src.gemm.gathered.gathered_gemm`).
     """
     chosen = kernels(
         Gemm(
@@ -265,7 +265,7 @@ def gemm(
 
 
 def _gathers_8bit(kernel: Kernel) -> bool:
-    """Whether the GEMM runs as :func:`~jaxmx._src.training.gathered.gathered_gemm`: a kernel
+    """Whether the GEMM runs as :func:`~jaxmx._src.gemm.gathered.gathered_gemm`: a kernel
     whose SPMD form gathers 8-bit operands (``Kernel.gathers_8bit``), outside ``shard_map``
     (whose arrays are already per-device)."""
     return kernel.gathers_8bit and not jax.sharding.get_abstract_mesh().manual_axes

@@ -44,6 +44,7 @@ from jaxmx._src.core.mxarray import MXArray, along, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.vma import varying_axes
+from jaxmx._src.gemm.gathered import all_gathered
 from jaxmx._src.quantize.codec import encode
 from jaxmx._src.quantize.scales import current_scale
 from jaxmx._src.training import scope
@@ -64,7 +65,6 @@ from jaxmx._src.training.contract import (
     tiled,
     vma_like,
 )
-from jaxmx._src.training.gathered import all_gathered
 from jaxmx._src.training.higher_order import first_order_only
 
 _WHERE = "jaxmx.fsdp_dot_general"

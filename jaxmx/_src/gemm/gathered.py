@@ -34,7 +34,7 @@ is.
 Example:
     >>> import jax.numpy as jnp
     >>> from jaxmx._src.gemm.emulate import EMULATE_VALUES
-    >>> from jaxmx._src.training.gathered import Quantized, gathered_gemm
+    >>> from jaxmx._src.gemm.gathered import Quantized, gathered_gemm
     >>> a = Quantized(jnp.ones((1, 2, 64)), "mxfp8_e4m3", 2, "floor")
     >>> gathered_gemm(EMULATE_VALUES, a, a, jnp.float32).tolist()
     [[[64.0, 64.0], [64.0, 64.0]]]
@@ -55,13 +55,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
+from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes, spec_of
 from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
-from jaxmx._src.gemm.partitioning import plan, reduced, spec_of
+from jaxmx._src.gemm.partitioning import plan, reduced
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.quantize import quantize
 

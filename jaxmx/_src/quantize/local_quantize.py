@@ -11,7 +11,7 @@ devices) and handed to each device's quantization.
 
 Example:
     >>> import jax.numpy as jnp
-    >>> from jaxmx._src.training.local_quantize import local_quantize
+    >>> from jaxmx._src.quantize.local_quantize import local_quantize
     >>> q = local_quantize(jnp.ones((1, 64, 64)), "mxfp8_e4m3", "floor", (32, 32))
     >>> q.scale.shape
     (1, 2, 2)
@@ -29,12 +29,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core import bits
-from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes
+from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes, spec_of
 from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.gemm.partitioning import spec_of
 from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.quantize import quantize
 

@@ -109,6 +109,11 @@ class Gemm:
     grouped: bool = False
 
 
+GROUPED_BACKEND = "emulate"
+"""The backend a grouped GEMM (:func:`jaxmx.ragged_dot`) runs with: there is no native grouped
+kernel yet, and :func:`kernels` refuses the native and ``lax.scaled_dot`` backends for it."""
+
+
 def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, Kernel]:
     """The kernel (one of :data:`KERNELS`) that runs ``gemm`` per lowering platform:
     ``{"default": ...}``, plus the native kernel's ``platform`` where that differs

@@ -16,7 +16,7 @@ wgrad      drhs [g, k, n]  each group's tokens lhs and the output gradient along
 For the weight gradient each group's tokens are laid out from a multiple of the block (32 for
 MX formats) and zero-padded to whole blocks (a static bound of ``m + 31 g`` rows, so group sizes
 may be traced), so a block never mixes two groups whatever the group sizes. The GEMMs are
-emulated (exact decode, float32 accumulation); there is no native grouped GEMM yet.
+emulated (exact decode, float32 accumulation): there is no native grouped GEMM yet.
 
 Weight tiles and the Hadamard transform hold exactly in a grouped GEMM, so every preset runs
 as it is (:func:`grouped_recipe` returns the recipe that runs): ``Recipe.weight_tile`` tiles
@@ -32,8 +32,8 @@ The contract of :func:`jaxmx.dot_general` holds: ``Recipe.residuals="quantized"`
 :data:`jaxmx.LHS_COLWISE`; ``rhs`` along N, or its one tiled copy, :data:`jaxmx.RHS_COLWISE`),
 ``"high_precision"`` saves the inputs (:data:`jaxmx.LHS_INPUT`, :data:`jaxmx.RHS_INPUT`) and
 quantizes them in the backward pass; inside :func:`jaxmx.diagnostics.telemetry` it records its
-four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``),
-``backend="ffi"`` and ``backend="xla"`` are refused by name. ``jax.vmap`` may map any of the
+four legs (default name ``ragged_dot``). ``Recipe.accum_bits`` (and so ``promote_every``) and
+the native and ``lax.scaled_dot`` backends are refused by name. ``jax.vmap`` may map any of the
 operands (``lax.ragged_dot``'s own batching rule takes only all three mapped); forward-mode
 differentiation (``jax.jvp``, ``jax.jacfwd``) is JAX's refusal for custom-VJP functions, as for
 :func:`jaxmx.dot_general`.
@@ -72,7 +72,7 @@ from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
-from jaxmx._src.gemm.dispatch import Gemm, kernels
+from jaxmx._src.gemm.dispatch import GROUPED_BACKEND, Gemm, kernels
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -112,9 +112,9 @@ def ragged_dot(
         group_sizes: ``[g]`` non-negative integers (may be traced: then unchecked), summing to
             at most ``m``.
         preferred_element_type: the output dtype; default the promoted input dtype.
-        recipe: a :class:`jaxmx.Recipe` whose backend is ``"auto"`` or ``"emulate"`` and
-            without ``accum_bits``, run as :func:`grouped_recipe` says; or ``None``: plain high
-            precision (``lax.ragged_dot``, ``key`` ignored).
+        recipe: a :class:`jaxmx.Recipe` without ``accum_bits`` whose backend has a grouped
+            form (``"auto"`` or the emulation), run as :func:`grouped_recipe` says; or
+            ``None``: plain high precision (``lax.ragged_dot``, ``key`` ignored).
         key: for ``recipe.grad_rounding == "stochastic"``, as in :func:`jaxmx.dot_general`.
 
     Returns:
@@ -242,26 +242,29 @@ def _run(recipe: Recipe, lhs, lhs_like, rhs, group_sizes, out_dtype, key):
 
 
 def grouped_recipe(recipe: Recipe) -> Recipe:
-    """The recipe :func:`jaxmx.ragged_dot` runs for ``recipe``: the same fields but
-    ``backend="emulate"`` (there is no native grouped GEMM yet).
+    """The recipe :func:`jaxmx.ragged_dot` runs for ``recipe``: the same fields but the
+    dispatcher's backend for grouped GEMMs, the emulation (there is no native grouped GEMM yet).
 
     Weight tiles and the Hadamard transform need no change: a tile covers part of one expert's
     ``[k, n]`` matrix, never two experts, and the transform of the weight-gradient operands runs
     within each group's zero-padded whole blocks of tokens, which is exact per group. So every
     preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
-    NotImplementedError: ``backend="ffi"``, ``backend="xla"`` (``lax.scaled_dot`` has no grouped
+    NotImplementedError: the native backend, the ``lax.scaled_dot`` one (it has no grouped
     form), ``accum_bits`` (the modelled accumulator needs the blocked emulation of
     :func:`jaxmx.matmul`), the per-tensor and per-row formats and ``wgrad="high_precision"``.
 
     Example:
         >>> import jaxmx
         >>> r = jaxmx.grouped_recipe(jaxmx.recipes.NVFP4)
-        >>> r.backend, r.weight_tile, r.rht, r == jaxmx.recipes.NVFP4.replace(backend="emulate")
-        ('emulate', (16, 16), True, True)
+        >>> r.weight_tile, r.rht, r == jaxmx.recipes.NVFP4.replace(backend=r.backend)
+        ((16, 16), True, True)
+        >>> r.backend                                   # the emulation: no native grouped GEMM
+        'emulate'
     """
     check_recipe(recipe, "jaxmx.grouped_recipe")
-    # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or the
-    # refusal of backend="ffi" and "xla"), which _ragged's decode then lax.ragged_dot implement
+    # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or its
+    # refusal of the backends without a grouped form), which _ragged's decode then
+    # lax.ragged_dot implement
     kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
     if recipe.accum_bits is not None:
         raise NotImplementedError(
@@ -279,7 +282,7 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
             f"jaxmx.ragged_dot: Recipe.wgrad={recipe.wgrad!r} is not available for grouped "
             "GEMMs; use wgrad='quantized'"
         )
-    return recipe.replace(backend="emulate")
+    return recipe.replace(backend=GROUPED_BACKEND)
 
 
 def _check_group_sizes(group_sizes: jax.Array) -> None:

@@ -19,6 +19,7 @@ import reference as ref
 
 import jaxmx
 from jaxmx._src.core import formats
+from jaxmx._src.quantize.scales import ScaleRule, rule_of
 
 MADE_UP = {
     f.name: f
@@ -67,6 +68,18 @@ def assert_same_leaves(got, want):
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
+
+
+def test_each_scale_kind_has_rules_of_the_one_protocol(f):
+    """The quantizers and the emulation ask a format's scale kind through one protocol: its
+    rules answer every method (defaults where the kind has nothing of its own)."""
+    rule = rule_of(f)
+    assert isinstance(rule, ScaleRule)
+    assert not getattr(type(rule), "__abstractmethods__", None)
+    if f.scale_kind.pow2 or f.has_global_scale:  # an exact row-relative decode
+        return
+    with pytest.raises(ValueError, match="no exact row-relative decode"):
+        rule.relative_to_rows(jnp.zeros((1, 1, f.block, 1)), jnp.ones((1, 1, 1, 1)), 1)
 
 
 @pytest.mark.parametrize("axis", [1, 0])

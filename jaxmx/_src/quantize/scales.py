@@ -16,7 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -110,8 +112,55 @@ def _round_up(amax_bits, f: Format, scale_mode: str):
     return mantissa + half_ulp > bits.MANTISSA_MASK
 
 
+class ScaleRule(abc.ABC):
+    """The rules every :class:`~jaxmx._src.core.formats.ScaleKind` answers (:data:`RULES`).
+    ``scaled``, ``decoded`` and ``units`` are each kind's own; the others default to float32
+    scales stored as they are, no tensor scale, and no row-relative decode.
+
+    Example:
+        >>> from jaxmx._src.core.formats import get_format
+        >>> rule = rule_of(get_format("fp8_e4m3_block"))
+        >>> isinstance(rule, ScaleRule), rule.scales(jnp.float32(0.5)).tolist()
+        (True, 0.5)
+    """
+
+    # the kind's scales and what the decode of an element computes, for the messages
+    described: ClassVar[str] = "these scales"
+    decode: ClassVar[str] = "code * s"
+
+    @abc.abstractmethod
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
+        """``(scale codes, elements in units of their scale and clipped, tensor scale or None)``
+        of blocks ``xb`` (:func:`~jaxmx._src.core.blocks.blocked`), rounded stochastically
+        with ``noise``."""
+
+    @abc.abstractmethod
+    def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
+        """Decoded elements times their scales, rounded as the kind defines."""
+
+    @abc.abstractmethod
+    def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
+        """``xb`` in units of the given scales (before rounding), as the quantizer computes."""
+
+    def scales(self, codes: jax.Array) -> jax.Array:
+        """The stored scales of :meth:`scaled`'s scale codes (float32 scales: as they are)."""
+        return codes
+
+    def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
+        """``out`` times the tensor scale, where the kind has one (here: none)."""
+        return out
+
+    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
+        """``(values * 2^(e - s), s)``: each row relative to its largest scale, exactly (the
+        emulation's operands). Kinds whose decode rounds have none: a ValueError."""
+        raise ValueError(
+            f"{self.described} have no exact row-relative decode "
+            f"({self.decode} is rounded); the dequantized emulation takes them"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
-class _E8M0Rule:
+class _E8M0Rule(ScaleRule):
     """The OCP MX scales: E8M0 powers of two, chosen by :data:`jaxmx.SCALE_MODES`."""
 
     def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
@@ -175,15 +224,14 @@ def relative_exponents(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Float32Rule:
+class _Float32Rule(ScaleRule):
     """Block FP8's float32 scales, chosen by :data:`jaxmx.BLOCK_SCALE_MODES`."""
+
+    described: ClassVar[str] = "float32 block scales"
 
     def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
         scale, values = float32_scaled_blocks(xb, f, scale_mode, noise)
         return scale, values, None
-
-    def scales(self, codes: jax.Array) -> jax.Array:
-        return codes
 
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
         """``values * scale`` rounded as IEEE float32, without flushing subnormals.
@@ -198,23 +246,14 @@ class _Float32Rule:
             bits.scale_by_pow2(values, -boost), bits.scale_by_pow2(scale, boost)
         )
 
-    def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
-        return out
-
     def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
         """``x / s`` as the quantizer divides (:func:`float32_scaled_blocks`)."""
         boost = bits.where(scale < 2.0**-60, 64, 0)
         return bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
 
-    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
-        raise ValueError(
-            "float32 block scales have no exact row-relative decode (code * s is rounded); "
-            "the dequantized emulation takes them"
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class _TensorScaledE4M3Rule:
+class _TensorScaledE4M3Rule(ScaleRule):
     """NVFP4's E4M3 block scales under a float32 tensor scale ``g``
     (:mod:`jaxmx._src.quantize.nvfp4`); ``g=None`` computes it from the blocks."""
 
@@ -289,33 +328,24 @@ def current_scale(amax_bits, f: Format, scale_mode: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class _CurrentRule:
+class _CurrentRule(ScaleRule):
     """Per-tensor and per-row FP8: one float32 scale per tensor or row (:func:`current_scaled`);
     a value is ``code / scale``."""
+
+    described: ClassVar[str] = "per-tensor and per-row float32 scales"
+    decode: ClassVar[str] = "code / scale"
 
     def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
         scale, values = current_scaled(xb, f, scale_mode, noise)
         return scale, values, None
 
-    def scales(self, codes: jax.Array) -> jax.Array:
-        return codes
-
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
         """``values / scale`` rounded as IEEE float32 division (as torchao decodes)."""
         return bits.divide(values, scale)
 
-    def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
-        return out
-
     def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
         """``x * scale`` as the quantizer scales (:func:`current_scaled`)."""
         return xb * scale
-
-    def relative_to_rows(self, values: jax.Array, scale: jax.Array, k: int):
-        raise ValueError(
-            "per-tensor and per-row float32 scales have no exact row-relative decode "
-            "(code / scale is rounded); the dequantized emulation takes them"
-        )
 
 
 RULES = {
@@ -328,6 +358,6 @@ RULES = {
 """The rules of each :class:`~jaxmx._src.core.formats.ScaleKind`, by its name."""
 
 
-def rule_of(f: Format):
+def rule_of(f: Format) -> ScaleRule:
     """The scale rules of ``f``'s scale kind."""
     return RULES[f.scale_kind.name]

@@ -107,3 +107,13 @@ def test_training_code_holds_no_kernel_names():
     """Training GEMMs read a kernel's properties (``takes_values``, ``gathers_8bit``, its
     runners), never its name."""
     assert [hit for path in sorted(TRAINING.glob("*.py")) for hit in _kernel_names_in(path)] == []
+
+
+def test_a_native_gemm_lowers_to_its_custom_call_without_a_platform_switch_of_its_own():
+    """The executor's ``platform_dependent`` is the only one on a GEMM's path: the custom call
+    is lowered per platform by its own lowering rules (no ``case`` over platforms inside)."""
+    a = jaxmx.quantize(jnp.ones((16, 64)), "mxfp8_e4m3")
+    f = jax.jit(lambda a, b: jaxmx.ffi.mx_matmul(a, b))
+    text = f.trace(a, a).lower(lowering_platforms=("cpu",)).as_text()
+    assert "jaxmx_mx_matmul" in text
+    assert text.count("stablehlo.case") == 0

@@ -22,7 +22,7 @@ from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
-from jaxmx._src.gemm.native.call import custom_call
+from jaxmx._src.gemm.native.call import N_MULTIPLE, custom_call
 from jaxmx._src.gemm.native.operands import checked_pair, tn_form, zero_padding
 from jaxmx._src.gemm.partitioning import partitioned_gemm
 
@@ -101,10 +101,10 @@ def _block_per_shard(out_dtype, tiles: tuple[bool, bool] = (False, False)):
         a_tiled = tiles[0] and a_data.shape[-2] % BLOCK_TILE == 0
         b_tiled = tiles[1] and b_data.shape[-2] % BLOCK_TILE == 0
 
-        def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+        def prepare(a_data, b_data, a_scale, b_scale):
             n = b_data.shape[-2]
-            a_data, a_scale = _block_operand(a_data, a_scale, a_tiled, n_multiple)
-            b_data, b_scale = _block_operand(b_data, b_scale, b_tiled, n_multiple)
+            a_data, a_scale = _block_operand(a_data, a_scale, a_tiled, N_MULTIPLE)
+            b_data, b_scale = _block_operand(b_data, b_scale, b_tiled, N_MULTIPLE)
             return (a_data, b_data, a_scale, b_scale), n
 
         return custom_call(

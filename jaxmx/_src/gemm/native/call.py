@@ -1,9 +1,12 @@
 """The custom call of every native GEMM, lowered per platform.
 
 :func:`custom_call` runs one target of the ``jaxmx._ffi`` extension on ``(a, b, a_scale, b_scale,
-...)``: a CPU branch (the C++ handler, always built), a CUDA branch (the cuBLASLt handler, built
-with ``JAXMX_CUDA=ON``, with its workspace as a second output) and, for platforms without a
-handler, a branch that fails at lowering with the reason.
+...)`` as one primitive with a lowering per platform (no ``lax.platform_dependent``: the GEMM
+executor's is the only one on a GEMM's path): on the CPU the C++ handler (always built), on CUDA
+the cuBLASLt handler (built with ``JAXMX_CUDA=ON``) with its workspace as a second result of
+the custom call; lowering for any other platform, or for one whose handler this machine lacks
+(:meth:`~jaxmx._src.gemm.capabilities.Capabilities.handler`), raises with the reason. A
+lowering for several platforms at once (``jax.export``) gets JAX's switch over them.
 
 Example:
     >>> import jax.numpy as jnp
@@ -19,7 +22,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -32,64 +34,40 @@ WORKSPACE_BYTES = 32 * 1024 * 1024
 256 bytes so that the handler can hand cuBLASLt a 256-byte aligned part of this size."""
 
 N_MULTIPLE = 16
-"""cuBLASLt: rows of out^T (the rhs rows) padded so every row of out starts 16-byte aligned."""
+"""cuBLASLt: rows of out^T (the rhs rows) padded so every row of out starts 16-byte aligned
+(on every platform: the operands of one custom call are the same whatever it lowers for)."""
 
-# (platform, workspace bytes, rows of the rhs padded to a multiple of)
-_PLATFORMS = (("cpu", 0, 1), ("cuda", WORKSPACE_BYTES + 256, N_MULTIPLE))
+_WORKSPACES = {"cpu": 0, "cuda": WORKSPACE_BYTES + 256}  # the platforms with a handler
 
 
 def custom_call(
     target: str, fn: str, out_dtype, prepare, *args, attributes=None, k_first=(False, False)
 ) -> jax.Array:
     """``target`` on ``(a, b, a_scale, b_scale)`` with the custom call's ``attributes``, lowered
-    per platform.
+    per platform (see the module docstring).
 
-    ``prepare(n_multiple, *args)`` gives the custom call's operands, the rhs rows padded to
-    ``n_multiple``, and the number of output columns to keep. ``k_first``: whether ``a`` and
-    ``b`` are [..., K, rows] instead of [..., rows, K] (the MX GEMM). Platforms without a
-    handler (:meth:`~jaxmx._src.gemm.capabilities.Capabilities.handler`) get a branch that
-    fails at lowering with the reason.
+    ``prepare(*args)`` gives the custom call's operands, the rhs rows padded to a multiple of
+    :data:`N_MULTIPLE`, and the number of output columns to keep. ``k_first``: whether ``a`` and
+    ``b`` are [..., K, rows] instead of [..., rows, K] (the MX GEMM).
     """
 
     def rows(x, k_first_operand: bool) -> int:
         return x.shape[-1] if k_first_operand else x.shape[-2]
 
-    def branch(workspace: int, n_multiple: int):
-        def run(*args):
-            operands, n = prepare(n_multiple, *args)
-            out_shape = (*operands[0].shape[:-2], rows(operands[0], k_first[0]))
-            out_shape += (rows(operands[1], k_first[1]),)
-            out, _ = jax.ffi.ffi_call(
-                target,
-                (
-                    jax.ShapeDtypeStruct(out_shape, out_dtype),
-                    jax.ShapeDtypeStruct((workspace,), jnp.uint8),
-                ),
-            )(*operands, **(attributes or {}))
-            # the operands' rows, padded for cuBLASLt, sliced back; inside shard_map: varying
-            # like the operands (ffi_call results are not)
-            return vary_like(out[..., : rows(args[0], k_first[0]), :n], *args)
-
-        return run
-
-    branches = {
-        platform: branch(workspace, n_multiple)
-        for platform, workspace, n_multiple in _PLATFORMS
-        if capabilities.current().handler(platform) == "available"
-    }
-
-    def unsupported(*args):
-        a, b = args[0], args[1]
-        out = _unsupported_p.bind(
-            *args,
-            shape=(*a.shape[:-2], rows(a, k_first[0]), rows(b, k_first[1])),
-            dtype=out_dtype,
-            fn=fn,
-            handled=tuple(branches),
-        )
-        return vary_like(out, *args)
-
-    return lax.platform_dependent(*args, **branches, default=unsupported)
+    operands, n = prepare(*args)
+    out_shape = (*operands[0].shape[:-2], rows(operands[0], k_first[0]))
+    out_shape += (rows(operands[1], k_first[1]),)
+    out = _native_gemm_p.bind(
+        *operands,
+        target=target,
+        fn=fn,
+        shape=out_shape,
+        dtype=jnp.dtype(out_dtype),
+        attributes=tuple(sorted((attributes or {}).items())),
+    )
+    # the operands' rows, padded for cuBLASLt, sliced back; inside shard_map: varying like the
+    # operands (the custom call's results are not)
+    return vary_like(out[..., : rows(args[0], k_first[0]), :n], *args)
 
 
 def pad_rows(data, scale, multiple: int):
@@ -107,25 +85,40 @@ def pad_rows(data, scale, multiple: int):
     return data, scale, n
 
 
-# The default branch of the custom calls: lowering it (for a platform without a handler) raises.
-_unsupported_p = Primitive("jaxmx_ffi_unsupported_platform")
-_unsupported_p.def_abstract_eval(
-    lambda *args, shape, dtype, fn, handled: jax.core.ShapedArray(shape, dtype)
+# One native GEMM's custom call: ``shape`` / ``dtype`` its result, ``fn`` the public function
+# for messages, ``attributes`` the custom call's (name, value) pairs.
+_native_gemm_p = Primitive("jaxmx_native_gemm")
+_native_gemm_p.def_abstract_eval(
+    lambda *args, target, fn, shape, dtype, attributes: jax.core.ShapedArray(shape, dtype)
 )
-_unsupported_p.def_impl(
-    lambda *args, **params: jax.jit(functools.partial(_unsupported_p.bind, **params))(*args)
+_native_gemm_p.def_impl(
+    lambda *args, **params: jax.jit(functools.partial(_native_gemm_p.bind, **params))(*args)
 )
 
 
-def _unsupported_lowering(ctx, *args, shape, dtype, fn, handled):
-    platforms = [p for p in ctx.module_context.platforms if p not in handled]
-    here = capabilities.current()
-    reasons = "; ".join(f"{p}: {here.handler(p)}" for p in platforms)
-    raise RuntimeError(
-        f"jaxmx.ffi.{fn}: the native GEMM (backend='ffi') has no handler for platform "
-        f"{', '.join(repr(p) for p in platforms) or 'this platform'} ({reasons or 'unknown'}); "
-        "use backend='emulate' there"
-    )
+def _lowering(platform: str | None):
+    """The lowering of :data:`_native_gemm_p` for ``platform`` (None: every other platform):
+    the handler's custom call with its workspace result, or a RuntimeError saying why there
+    is none."""
+
+    def lower(ctx, *args, target, fn, shape, dtype, attributes):
+        status = capabilities.current().handler(platform) if platform else None
+        if status != "available":
+            platforms = [platform] if platform else ctx.module_context.platforms
+            here = capabilities.current()
+            reasons = "; ".join(f"{p}: {here.handler(p)}" for p in platforms)
+            raise RuntimeError(
+                f"jaxmx.ffi.{fn}: the native GEMM (backend='ffi') has no handler for platform "
+                f"{', '.join(repr(p) for p in platforms)} ({reasons}); use backend='emulate' there"
+            )
+        workspace = jax.core.ShapedArray((_WORKSPACES[platform],), jnp.uint8)
+        with_workspace = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+        out, _ = jax.ffi.ffi_lowering(target)(with_workspace, *args, **dict(attributes))
+        return [out]
+
+    return lower
 
 
-mlir.register_lowering(_unsupported_p, _unsupported_lowering)
+mlir.register_lowering(_native_gemm_p, _lowering(None))
+for _platform in _WORKSPACES:
+    mlir.register_lowering(_native_gemm_p, _lowering(_platform), platform=_platform)

@@ -25,7 +25,7 @@ from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
-from jaxmx._src.gemm.native.call import custom_call, pad_rows
+from jaxmx._src.gemm.native.call import N_MULTIPLE, custom_call, pad_rows
 from jaxmx._src.gemm.native.operands import checked_pair, tn_form
 
 FP4_TARGET = "jaxmx_fp4_matmul"
@@ -128,8 +128,8 @@ def _fp4_call(out_dtype, nvfp4: bool):
     swizzled, ``alpha_beta = (float32(g_a * g_b), 0)`` per GEMM (cuBLASLt reads both from
     device memory)."""
 
-    def prepare(n_multiple, a, b, a_scale, b_scale, a_g, b_g):
-        b, b_scale, n = pad_rows(b, b_scale, n_multiple)
+    def prepare(a, b, a_scale, b_scale, a_g, b_g):
+        b, b_scale, n = pad_rows(b, b_scale, N_MULTIPLE)
         alpha = a_g * b_g
         alpha_beta = jnp.stack([alpha, jnp.zeros_like(alpha)], axis=-1)
         return (a, b, swizzle_scales(a_scale), swizzle_scales(b_scale), alpha_beta), n

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.gemm import extension
 from jaxmx._src.gemm.batching import vmappable
-from jaxmx._src.gemm.native.call import custom_call, pad_rows
+from jaxmx._src.gemm.native.call import N_MULTIPLE, custom_call, pad_rows
 
 FP8_TARGET = "jaxmx_fp8_matmul"
 
@@ -94,8 +94,8 @@ def fp8_matmul(
 
 @functools.cache
 def _fp8_call(out_dtype, fast_accum: bool):
-    def prepare(n_multiple, a_fp8, b_fp8, a_scale, b_scale):
-        b_fp8, _, n = pad_rows(b_fp8, b_scale, n_multiple)
+    def prepare(a_fp8, b_fp8, a_scale, b_scale):
+        b_fp8, _, n = pad_rows(b_fp8, b_scale, N_MULTIPLE)
         return (a_fp8, b_fp8, a_scale, b_scale), n
 
     def impl(a_fp8, b_fp8, a_scale, b_scale):

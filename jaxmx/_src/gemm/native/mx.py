@@ -25,7 +25,7 @@ from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm import capabilities
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
-from jaxmx._src.gemm.native.call import custom_call, pad_rows
+from jaxmx._src.gemm.native.call import N_MULTIPLE, custom_call, pad_rows
 from jaxmx._src.gemm.native.operands import checked_pair, is_k_first, tn_form, zero_padding
 from jaxmx._src.gemm.partitioning import partitioned_gemm
 from jaxmx._src.quantize.pow2_blocks import as_mx
@@ -89,14 +89,14 @@ def _mx_call(out_dtype, k_first: tuple[bool, bool]):
 def _mx_per_shard(out_dtype, k_first: tuple[bool, bool] = (False, False)):
     """The custom call on (one device's) operands: swizzles the compact scales, then calls."""
 
-    def prepare(n_multiple, a_data, b_data, a_scale, b_scale):
+    def prepare(a_data, b_data, a_scale, b_scale):
         if k_first[1]:
             n = b_data.shape[-1]
-            b_data, b_scale = _k_first_operand(b_data, b_scale, n_multiple)
+            b_data, b_scale = _k_first_operand(b_data, b_scale, N_MULTIPLE)
         else:
-            b_data, b_scale, n = pad_rows(b_data, b_scale, n_multiple)
+            b_data, b_scale, n = pad_rows(b_data, b_scale, N_MULTIPLE)
         if k_first[0]:
-            a_data, a_scale = _k_first_operand(a_data, a_scale, n_multiple)
+            a_data, a_scale = _k_first_operand(a_data, a_scale, N_MULTIPLE)
         return (a_data, b_data, swizzle_scales(a_scale), swizzle_scales(b_scale)), n
 
     def impl(a_data, b_data, a_scale, b_scale):

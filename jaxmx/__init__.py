@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from jaxmx._src.quantize.quantize import dequantize, quantize, quantize_rowwise_colwise
     from jaxmx._src.quantize.requantize import requantize
     from jaxmx._src.serving.kv_cache import KVCache, cached_attention
+    from jaxmx._src.serving.stored_weights import store_weight, weight_matmul
     from jaxmx._src.training.attention import dot_product_attention
     from jaxmx._src.training.contract import LHS_COLWISE, LHS_INPUT, RHS_COLWISE, RHS_INPUT
     from jaxmx._src.training.dot_general import dot_general
@@ -84,6 +85,7 @@ _SOURCES = {
         "jaxmx._src.quantize.quantize": ("dequantize", "quantize", "quantize_rowwise_colwise"),
         "jaxmx._src.quantize.requantize": ("requantize",),
         "jaxmx._src.serving.kv_cache": ("KVCache", "cached_attention"),
+        "jaxmx._src.serving.stored_weights": ("store_weight", "weight_matmul"),
         "jaxmx._src.training.attention": ("dot_product_attention",),
         "jaxmx._src.training.contract": ("LHS_COLWISE", "LHS_INPUT", "RHS_COLWISE", "RHS_INPUT"),
         "jaxmx._src.training.dot_general": ("dot_general",),
@@ -141,8 +143,10 @@ __all__ = [
     "rht",
     "save_quantized",
     "stochastic_rounding",
+    "store_weight",
     "swizzle_scales",
     "unswizzle_scales",
+    "weight_matmul",
 ]
 
 

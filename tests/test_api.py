@@ -73,7 +73,7 @@ def test_the_top_level_exports_the_documented_api():
         "unswizzle_scales", "dot_general", "einsum", "matmul", "MXArray", "Recipe", "recipes",
         "backends", "stochastic_rounding", "BlockShardingError", "LHS_COLWISE", "RHS_COLWISE",
         "LHS_INPUT", "RHS_INPUT", "KVCache", "cached_attention", "expert_parallel_ffn",
-        "fsdp_dot_general",
+        "fsdp_dot_general", "store_weight", "weight_matmul",
     }  # fmt: skip
     assert expected <= set(jaxmx.__all__)
 

@@ -7,7 +7,7 @@ converted ``nn.Dense`` / ``nn.DenseGeneral`` gets its kernel stored as an
 :class:`~jaxmx.MXArray` in the variables (:mod:`jaxmx._src.flax.weights`). The returned module
 is an instance of a subclass of the model's class with one more dataclass field,
 ``jaxmx_weights`` (a frozen :class:`WeightsPlan`); each of its methods runs under an interceptor
-that computes the converted layers from their stored weights.
+that computes the converted layers from their stored weights (:func:`jaxmx.weight_matmul`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The model's layers are found by ``nnx.iter_modules`` and planned by
 :meth:`~jaxmx._src.flax.rules.Conversion.plan` (the rules of ``quantize_model``); each converted
 ``nnx.Linear`` / ``nnx.LinearGeneral`` is replaced, in its parent, by a
 :class:`QuantizedLinear` whose ``kernel`` Param holds the layer's weight as an
-:class:`~jaxmx.MXArray` (:mod:`jaxmx._src.flax.weights`).
+:class:`~jaxmx.MXArray` (:mod:`jaxmx._src.flax.weights`) and computes through
+:func:`jaxmx.weight_matmul`.
 """
 
 from __future__ import annotations

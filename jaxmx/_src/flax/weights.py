@@ -1,14 +1,9 @@
-"""Weights at rest: a trained layer's kernel stored as an :class:`~jaxmx.MXArray` and the forward
-GEMM that consumes it, shared by the linen and nnx ``quantize_weights``.
+"""Weights at rest in the Flax layers: what the linen and nnx ``quantize_weights`` share.
 
-A kernel ``[*in, *out]`` (``in``: the dims the layer contracts, K; ``out``: its features, N) is
-stored as the 2-D ``[N, K]`` MXArray ``quantize(kernel.reshape(K, N).T, fmt, axis=-1,
-tile=tile)``: quantized along K, in the TN form the native GEMMs take. The GEMM of a layer is
-weight-only (``activations=False``: the weight decoded to the activation dtype inside the jitted
-GEMM, then a plain dot with float32 accumulation) or weight-and-activation (``activations=True``:
-the activation quantized along K in the same format, 1-D blocks, and the product through
-:func:`jaxmx.matmul`, native where the machine has the kernel). Forward only: a gradient through
-it raises.
+:class:`WeightStorage` (the format, tile and mode of a converted layer), a layer's kernel stored
+through :func:`~jaxmx.store_weight` (the ``[N, K]`` MXArray quantized along K) and a Dense /
+DenseGeneral layer's forward through :func:`~jaxmx.weight_matmul` (forward only: a gradient
+through it raises), with errors naming the layer; the conversion's rules.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -24,7 +19,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -35,8 +29,7 @@ from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.formats import check_gemm_operand, get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.flax.rules import Conversion, Rule
-from jaxmx._src.gemm.matmul import matmul
-from jaxmx._src.quantize.quantize import dequantize, quantize
+from jaxmx._src.serving.stored_weights import store_weight, weight_matmul
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,9 +93,7 @@ def stored_weight(
             f"[{n_in} contracted dims, *{features}] (a layer under a lifted transform such as "
             "scan or vmap, whose kernel is stacked, is not supported: exclude it)"
         )
-    k = math.prod(kernel.shape[:n_in])
-    w = jnp.asarray(kernel).reshape(k, -1).T
-    return quantize(w, storage.fmt, axis=-1, tile=storage.tile)
+    return store_weight(kernel, storage.fmt, tile=storage.tile, contracting=n_in)
 
 
 def dense_forward(
@@ -134,34 +125,9 @@ def dense_forward(
             f"quantize_weights: the layer contracts K = {k} into N = {math.prod(features)} "
             f"features, but its stored weight is [N, K] = {list(w.shape)}"
         )
-    y = _gemm(x.reshape(-1, k).astype(dtype), w, storage.activations, jnp.dtype(dtype))
+    y = weight_matmul(x.reshape(-1, k), w, activations=storage.activations, dtype=dtype)
     y = y.reshape(*batch, *features)
     return y if bias is None else y + jnp.asarray(bias, dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _gemm(x: jax.Array, w: MXArray, activations: bool, dtype) -> jax.Array:
-    """``x [M, K] @ w [N, K]^T`` in ``dtype``."""
-    if activations:
-        return matmul(quantize(x, w.fmt, axis=-1), w, dtype)
-    w_hat = dequantize(w, dtype)
-    dims = (((1,), (1,)), ((), ()))
-    return lax.dot_general(x, w_hat, dims, preferred_element_type=jnp.float32).astype(dtype)
-
-
-def _gemm_fwd(x, w, activations, dtype):
-    return _gemm(x, w, activations, dtype), None
-
-
-def _gemm_bwd(activations, dtype, residuals, g):
-    raise TypeError(
-        "quantize_weights: a model with weights at rest is for inference (forward only) and has "
-        "no gradient; train the original model (jaxmx.flax quantize_model for MX training), then "
-        "convert it"
-    )
-
-
-_gemm.defvjp(_gemm_fwd, _gemm_bwd)
 
 
 def kernel_sizes(kernel, stored: MXArray | None) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jaxmx._src.core import dtypes
 from jaxmx._src.core.blocks import format_scale_shape, padded_shape
 from jaxmx._src.core.formats import Format, check_gemm_operand, get_format
+from jaxmx._src.core.support import lacks
 
 
 def register_pytree(cls):
@@ -271,8 +272,8 @@ def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | No
     tile = check_tile(getattr(q, "tile", None), len(shape), where)
     if tile is not None and axis != len(shape) - 1:
         raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {axis}")
-    if tile is not None and f.span != "block":
-        raise ValueError(f"{where}: an {f.name} MXArray (one scale per {f.span}) has no tile")
+    if tile is not None and (missing := lacks(f, "tiles")):
+        raise ValueError(f"{where}: an {f.name} MXArray ({missing}) has no tile")
     want_data = padded_shape(shape, axis, f.block, tile)
     want_scale = format_scale_shape(f, shape, axis, tile)
     # Under vmap the leaves gain leading dims, or, traced, lose the logical shape's leading dims

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from jaxmx._src.core.formats import Format, check_gemm_operand, check_scale_mode, get_format
+from jaxmx._src.core.support import lacks
 
 BACKENDS = ("auto", "emulate", "ffi", "xla")
 """The values of ``backend=`` / ``Recipe.backend``."""
@@ -132,10 +133,9 @@ class Recipe:
         check_scale_mode(self.scale_mode, fwd)
         check_scale_mode(self.scale_mode, grad)
         _check_choice("wgrad", self.wgrad, WGRADS)
-        if self.weight_tile is not None and fwd.span != "block":
+        if self.weight_tile is not None and (missing := lacks(fwd, "tiles")):
             raise ValueError(
-                f"Recipe.weight_tile: {fwd.name} has one scale per {fwd.span}, no 2-D tiles; "
-                "use weight_tile=None"
+                f"Recipe.weight_tile: {fwd.name} has {missing}, no 2-D tiles; use weight_tile=None"
             )
         if self.rht and self.wgrad == "high_precision":
             raise ValueError(

@@ -58,6 +58,7 @@ from jaxmx._src.core.recipes import (
     check_backend,
     scaled_dot_problem,
 )
+from jaxmx._src.core.support import lacks
 from jaxmx._src.gemm import capabilities as caps
 from jaxmx._src.gemm import native
 from jaxmx._src.gemm.accumulation import LIMITED
@@ -153,11 +154,11 @@ def kernels(gemm: Gemm, capabilities: Capabilities | None = None) -> dict[str, K
 def _check_native_formats(formats: tuple[str, str]) -> None:
     """A NotImplementedError naming the first of ``formats`` that no native GEMM takes."""
     for name in formats:
-        if get_format(name).gemm is None:
+        if missing := lacks(get_format(name), "native"):
             raise NotImplementedError(
-                f"jaxmx GEMM, backend='ffi': {name} has no native GEMM (cuBLASLt's block-scaled "
-                "matmul takes FP8 and FP4 operands, and documents no FP6 or INT8 one); use "
-                "backend='auto' or 'emulate'"
+                f"jaxmx GEMM, backend='ffi': {name} has no native GEMM ({missing}: cuBLASLt's "
+                "block-scaled matmul takes FP8 and FP4 operands, and documents no FP6 or INT8 "
+                "one); use backend='auto' or 'emulate'"
             )
 
 

@@ -36,6 +36,7 @@ from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
+from jaxmx._src.core.support import lacks
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.quantize import nvfp4, pallas
 from jaxmx._src.quantize.codec import decode_elements, encode
@@ -157,10 +158,9 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
 
 def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | None:
     tile = check_tile(tile, ndim, "quantize")
-    if tile is not None and f.span != "block":
+    if tile is not None and (missing := lacks(f, "tiles")):
         raise ValueError(
-            f"quantize: {f.name} has one scale per {f.span}; tile= (one scale per 2-D tile) does "
-            "not apply to it"
+            f"quantize: {f.name} has {missing}; tile= (one scale per 2-D tile) does not apply to it"
         )
     if tile is not None and axis != ndim - 1:
         raise ValueError(
@@ -171,16 +171,11 @@ def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | No
 
 def _check_pallas_format(f: Format, where: str) -> None:
     """The Pallas kernels cover formats in blocks and tiles, not per-tensor or per-row scales,
-    nor codes wider than a byte (E5M6)."""
-    if f.word_coded:
+    nor codes wider than a byte (E5M6): :data:`~jaxmx._src.core.support.FEATURES`."""
+    if missing := lacks(f, "pallas"):
         raise NotImplementedError(
-            f"{where}: impl='pallas' has no kernel for {f.name} ({f.bits}-bit codes in "
-            f"{f.dtype}); use impl='xla' or 'auto'"
-        )
-    if f.span != "block":
-        raise NotImplementedError(
-            f"{where}: impl='pallas' has no kernel for {f.name} (one scale per {f.span}); use "
-            "impl='xla' or 'auto'"
+            f"{where}: impl='pallas' has no kernel for {f.name} ({missing}); use impl='xla' or "
+            "'auto'"
         )
 
 

@@ -24,6 +24,7 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.blocks import blocked, blocked_shape, tiles, untile
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.mxarray import MXArray, checked
+from jaxmx._src.core.support import lacks
 from jaxmx._src.quantize.codec import encode
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.quantize.scales import rule_of
@@ -62,10 +63,8 @@ def requantize(
     """
     like = checked(like, "requantize")
     f = like.format
-    if f.span != "block":
-        raise ValueError(
-            f"requantize: {f.name} has one scale per {f.span}; requantize keeps block scales"
-        )
+    if missing := lacks(f, "requantize"):
+        raise ValueError(f"requantize: {f.name} has {missing}; requantize keeps block scales")
     if outgrown not in OUTGROWN:
         raise ValueError(f"requantize: outgrown must be one of {OUTGROWN}, got {outgrown!r}")
     x = as_float_array(x, "requantize: x")

@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from jaxmx._src.core.formats import FORMATS, Format
+from jaxmx._src.core.support import lacks, supporting
 
 
 def describe(cache) -> str:
@@ -40,22 +41,22 @@ def describe(cache) -> str:
 def checked_format(fmt) -> Format:
     """The :class:`Format` a cache holds, by name: a block-scaled one (a ValueError naming the
     formats the cache takes otherwise)."""
-    blocked = sorted(name for name, g in FORMATS.items() if g.span == "block" and g.gemm_operand)
+    blocked = supporting("kv_cache")
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise ValueError(
             f"KVCache.create: unknown fmt {fmt!r}; the cache holds one of jaxmx's block-scaled "
             f"formats: {blocked}"
         )
     f = FORMATS[fmt]
-    if f.span != "block":
-        raise ValueError(
-            f"KVCache.create: fmt {fmt!r} has one scale per {f.span}, which tokens written a "
-            f"step at a time cannot share; the cache takes a block-scaled format: {blocked}"
-        )
     if not f.gemm_operand:
         raise ValueError(
-            f"KVCache.create: fmt {fmt!r} is a storage-only format (no GEMM takes it, and "
+            f"KVCache.create: fmt {fmt!r} is {lacks(f, 'kv_cache')} (no GEMM takes it, and "
             f"attention reads the cache through one); the cache takes one of {blocked}"
+        )
+    if missing := lacks(f, "kv_cache"):
+        raise ValueError(
+            f"KVCache.create: fmt {fmt!r} has {missing}, which tokens written a step at a "
+            f"time cannot share; the cache takes a block-scaled format: {blocked}"
         )
     return f
 

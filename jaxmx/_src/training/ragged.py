@@ -72,6 +72,7 @@ from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
+from jaxmx._src.core.support import lacks
 from jaxmx._src.gemm.dispatch import GROUPED_BACKEND, Gemm, kernels
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
@@ -272,9 +273,9 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
             "available for grouped GEMMs; use a recipe without it"
         )
     for f in (get_format(recipe.fwd), get_format(recipe.grad)):
-        if f.span != "block":  # its wgrad scale would span every group's tokens
+        if missing := lacks(f, "grouped"):  # its wgrad scale would span every group's tokens
             raise NotImplementedError(
-                f"jaxmx.ragged_dot: {f.name} (one scale per {f.span}) has no grouped form yet "
+                f"jaxmx.ragged_dot: {f.name} ({missing}) has no grouped form yet "
                 "(the weight-gradient scales would need one per group); use a block format"
             )
     if recipe.wgrad != "quantized":

@@ -1,0 +1,116 @@
+"""What each format supports beyond quantize and dequantize: one table of features, which the
+refusals read and docs/quantization.md prints (a test checks the printed table against it).
+
+A :class:`Feature` says, for a format, why it lacks the feature (``None``: it has it); the
+refusals (``quantize(tile=...)``, ``impl="pallas"``, ``jaxmx.ragged_dot``, ``KVCache``,
+``requantize``) put that reason in their messages.
+
+Example:
+    >>> from jaxmx._src.core.formats import get_format
+    >>> lacks(get_format("mxfp8_e4m3"), "tiles") is None
+    True
+    >>> lacks(get_format("fp8_e4m3_row"), "tiles")
+    'one scale per row'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from jaxmx._src.core.formats import FORMATS, Format
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Feature:
+    """One thing a format may support."""
+
+    # the feature as the docs' table heads it
+    title: str
+    # what it is, for the docs
+    what: str
+    # why a format lacks it, or None where it has it
+    missing: Callable[[Format], str | None]
+
+
+def _scales_per_block(f: Format) -> str | None:
+    """Tokens, tiles and groups need scales that belong to blocks, not a whole row or tensor."""
+    return None if f.span == "block" else f"one scale per {f.span}"
+
+
+def _pallas(f: Format) -> str | None:
+    if f.word_coded:
+        return f"{f.bits}-bit codes in {f.dtype}"
+    return _scales_per_block(f)
+
+
+def _kv_cache(f: Format) -> str | None:
+    if not f.gemm_operand:  # attention reads the cache through a GEMM
+        return "a storage-only format"
+    return _scales_per_block(f)
+
+
+def _native(f: Format) -> str | None:
+    if f.gemm is None:  # cuBLASLt documents FP8 and FP4 block-scaled operands only
+        return "no cuBLASLt GEMM takes it"
+    return None
+
+
+FEATURES = {
+    "native": Feature(
+        title="native GEMM",
+        what="a cuBLASLt GEMM (`backend='ffi'`, or `'auto'` on a GPU that runs it)",
+        missing=_native,
+    ),
+    "tiles": Feature(
+        title="2-D tiles",
+        what="one scale per 2-D tile: `quantize(tile=...)`, `Recipe.weight_tile`",
+        missing=_scales_per_block,
+    ),
+    "pallas": Feature(
+        title="Pallas",
+        what="the Pallas quantizer (`impl='pallas'`)",
+        missing=_pallas,
+    ),
+    "grouped": Feature(
+        title="grouped GEMM",
+        what="`jaxmx.ragged_dot` (each group's weight-gradient blocks its own)",
+        missing=_scales_per_block,
+    ),
+    "kv_cache": Feature(
+        title="KV cache",
+        what="`jaxmx.KVCache` (tokens written a step at a time)",
+        missing=_kv_cache,
+    ),
+    "requantize": Feature(
+        title="requantize",
+        what="`jaxmx.requantize` (blocks keep their scales)",
+        missing=_scales_per_block,
+    ),
+}
+"""Every feature of the table, by name."""
+
+
+def lacks(f: Format, feature: str) -> str | None:
+    """Why ``f`` lacks ``feature`` (a key of :data:`FEATURES`), or None where it has it."""
+    return FEATURES[feature].missing(f)
+
+
+def supporting(feature: str) -> list[str]:
+    """The names of the formats of :data:`~jaxmx._src.core.formats.FORMATS` that have
+    ``feature``, sorted."""
+    return sorted(name for name, f in FORMATS.items() if lacks(f, feature) is None)
+
+
+def support_table() -> str:
+    """The Markdown table of every format (rows) and feature (columns), as docs/quantization.md
+    prints it: ``yes``, or ``no`` and the reason."""
+    head = "| format | " + " | ".join(x.title for x in FEATURES.values()) + " |"
+    rule = "|---|" + "---|" * len(FEATURES)
+    rows = []
+    for name, f in FORMATS.items():
+        cells = [lacks(f, feature) for feature in FEATURES]
+        rows.append(
+            f"| `{name}` | " + " | ".join("yes" if c is None else f"no: {c}" for c in cells) + " |"
+        )
+    return "\n".join([head, rule, *rows])

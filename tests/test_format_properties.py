@@ -3,8 +3,8 @@ made-up entries, a 16-element-block MXFP8 and an MXFP4 in 64-element blocks, add
 by a fixture): quantize against the per-kind reference of tests/reference.py (codes, scales,
 values), dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``,
 fake quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of
-the float64 product of the dequantized operands, ``vmap`` equal to a loop and ``jit`` equal to
-eager. What a property does not apply to is read from the entry (``span``, ``word_coded``,
+the float64 product of the dequantized operands, ``vmap`` equal to a loop, ``jit`` equal to
+eager, an 8-device mesh equal to one device, and the scale kind's rules one protocol. What a property does not apply to is read from the entry (``span``, ``word_coded``,
 ``gemm_operand``), never from its name. Each format runs its default scale rule on finite inputs
 in 1-D blocks; other scale rules, tiles, stochastic rounding and non-finite values are the
 per-feature tests' (test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import reference as ref
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmx
 from jaxmx._src.core import formats
@@ -161,5 +163,25 @@ def test_jit_equals_eager(f):
         return jax.tree.leaves(q), jaxmx.dequantize(q)
 
     (got_leaves, got), (want_leaves, want) = jax.jit(quantized)(x), quantized(x)
+    assert_same_leaves([bits(a) for a in got_leaves], [bits(a) for a in want_leaves])
+    np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_an_eight_device_mesh_changes_no_bit(f):
+    """Rows sharded over 8 devices: the quantization and the emulated GEMM of the sharded
+    arrays equal the one-device ones bit for bit (whole-tensor scales reduce over the mesh)."""
+    mesh = jax.make_mesh((8,), ("rows",))
+    rows = NamedSharding(mesh, P("rows"))
+    x = jnp.asarray(inputs((16, width(f)), seed=3))
+    w = jnp.asarray(inputs((4, width(f)), seed=4))
+
+    def step(x, w):
+        a, b = jaxmx.quantize(x, f.name), jaxmx.quantize(w, f.name)
+        if not f.gemm_operand:
+            return jax.tree.leaves(a), jaxmx.dequantize(a)
+        return jax.tree.leaves(a), jaxmx.matmul(a, b, out_dtype=jnp.float32, backend="emulate")
+
+    want_leaves, want = jax.jit(step)(x, w)
+    got_leaves, got = jax.jit(step)(jax.device_put(x, rows), w)
     assert_same_leaves([bits(a) for a in got_leaves], [bits(a) for a in want_leaves])
     np.testing.assert_array_equal(bits(got), bits(want))

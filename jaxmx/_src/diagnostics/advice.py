@@ -4,7 +4,7 @@ per-layer recipe mapping for ``quantize_model`` through :data:`LEVEL_RECIPES` (l
 
 Example:
     >>> layer = LayerAdvice(name="mlp/up", legs={}, level="1x128", reason="")
-    >>> advised_recipes({"mlp/up": layer})["mlp/up"].fwd.name
+    >>> advised_recipes({"mlp/up": layer})["mlp/up"].fwd
     'fp8_e4m3_block'
 """
 

@@ -30,21 +30,13 @@ Example:
     ((64, 8), 0.0)
 """
 
+from jaxmx._src.diagnostics.advice import LEVEL_RECIPES, Advice, LayerAdvice, advised_recipes
+from jaxmx._src.diagnostics.advise import advise
 from jaxmx._src.diagnostics.block_stats import BlockStats, block_stats, gemm_probe
 from jaxmx._src.diagnostics.collectives import COLLECTIVES, CollectiveBytes, collective_bytes
-from jaxmx._src.diagnostics.granularity import (
-    ELEMENTS,
-    LEVEL_RECIPES,
-    LEVELS,
-    Advice,
-    Granularity,
-    LayerAdvice,
-    LevelStats,
-    Recommendation,
-    advise,
-    advised_recipes,
-    granularity,
-)
+from jaxmx._src.diagnostics.granularity import Granularity, Recommendation, granularity
+from jaxmx._src.diagnostics.level_stats import LevelStats
+from jaxmx._src.diagnostics.levels import ELEMENTS, LEVELS
 from jaxmx._src.diagnostics.memory import KINDS, MemoryReport, memory_report
 from jaxmx._src.diagnostics.telemetry import (
     LEGS,

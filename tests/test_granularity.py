@@ -1,6 +1,8 @@
 """The granularity advisor (jaxmx.diagnostics.granularity / advise / advised_recipes) and the
 per-layer recipe mapping of quantize_model, against an independent numpy + ml_dtypes reference."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import pytest
 import jaxmx
 import jaxmx.flax.linen as mxl
 from jaxmx import diagnostics
+from jaxmx._src.core import formats
 
 ELEMENTS = {  # element: (dtype, elem_max, emin, the MX twin's emax)
     "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0, -6),
@@ -35,7 +38,7 @@ def _groups(x, level):
         return x
     if level == "128x128":
         return x.reshape(m // 128, 128, n // 128, 128).transpose(0, 2, 1, 3).reshape(-1, 128 * 128)
-    block = {"1x128": 128, "mx32": 32, "nvfp4_16": 16}[level]
+    block = {"1x128": 128, "nvfp4_16": 16}.get(level) or int(level.removeprefix("mx"))
     return x.reshape(-1, block)
 
 
@@ -63,7 +66,7 @@ def reference(x, level, element):
         r = np.minimum((f32(1) / t) / s, np.finfo(f32).max)
         codes = _cast(g * r, dtype, elem_max)
         xhat = (codes * s) * t
-    elif level == "mx32":  # E8M0 rceil: 2^ceil(log2(amax / elem_max))
+    elif level.startswith("mx"):  # E8M0 rceil: 2^ceil(log2(amax / elem_max))
         mant, ex = np.frexp(amax.astype(np.float64) / elem_max)
         e = np.clip(np.where(mant == 0.5, ex - 1, ex), -127, 127)  # E8M0's range
         codes = _cast((g * 2.0**-e).astype(np.float32), dtype, elem_max)
@@ -188,12 +191,39 @@ def test_axis_and_format_names():
     assert nvfp4.names == ("mx32", "nvfp4_16")  # no per-tensor or per-row 4-bit format
 
 
+def test_a_format_added_to_the_table_is_a_level(monkeypatch):
+    # made-up entries: MXFP8 in 16-element blocks, MXFP4 in 64-element blocks
+    for base, name, block in (("mxfp8_e4m3", "mxfp8_e4m3_b16", 16), ("mxfp4", "mxfp4_b64", 64)):
+        made_up = dataclasses.replace(formats.FORMATS[base], name=name, block=block)
+        monkeypatch.setitem(formats.FORMATS, name, made_up)
+    x = outlier_in_every_block()
+    g = diagnostics.granularity(jnp.asarray(x), underflow_budget=0.2)
+    assert g.names == ("tensor", "row", "128x128", "1x128", "mx32", "mx16")  # coarsest first
+    assert g.recommendation.level == "mx16"  # the finest: no level keeps within 0.2
+    fp4 = diagnostics.granularity(jnp.asarray(x), fmt="fp4_e2m1", levels=("mx64", "mx32"))
+    assert fp4.names == ("mx64", "mx32")
+    assert diagnostics.granularity(jnp.asarray(x), fmt="mxfp4").names == (
+        "mx64",
+        "mx32",
+        "nvfp4_16",
+    )
+    for element, got in (("fp8_e4m3", g.levels["mx16"]), ("fp4_e2m1", fp4.levels["mx64"])):
+        ref = reference_stats(x, "mx16" if element == "fp8_e4m3" else "mx64", element)
+        for field in ("underflow", "flushed", "span_max", "span_p50", "groups"):
+            np.testing.assert_allclose(
+                float(getattr(got, field)), ref[field], rtol=1e-5, err_msg=(element, field)
+            )
+        np.testing.assert_allclose(float(got.sqnr_db), ref["sqnr_db"], atol=1e-3)
+
+
 def test_bad_input():
     x = jnp.ones((4, 128))
     with pytest.raises(ValueError, match="unknown level"):
         diagnostics.granularity(x, levels=("1x64",))
     with pytest.raises(ValueError, match="unknown fmt 'int8'"):
         diagnostics.granularity(x, fmt="int8")
+    with pytest.raises(ValueError, match="mxint8's elements are none of the element formats"):
+        diagnostics.granularity(x, fmt="mxint8")  # no native GEMM takes int8 elements
     with pytest.raises(ValueError, match=r"'128x128' tiles the last two axes.*1-D"):
         diagnostics.granularity(jnp.ones(256), levels=("128x128",))
     with pytest.raises(ValueError, match="fp8_e4m3 has no level"):

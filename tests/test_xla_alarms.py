@@ -41,14 +41,14 @@ SCRIPT = textwrap.dedent(
         print("CONSTANT", found)
 
     section("advise")
-    from jaxmx._src.diagnostics import granularity
+    from jaxmx._src.diagnostics import level_stats, levels
     from jaxmx.demo import advise
     from jaxmx.demo.train import Config, build_model, get_recipe
     cfg = Config(d_model=32, layers=1, heads=2, seq_len=32, batch=8)
     advice = advise.advise_model(build_model(cfg, get_recipe("mxfp8")), cfg, 0.05)
     print("advised", len(advice))
-    levels = granularity.available_levels("fp8_e4m3", 2)
-    measure = lambda x: granularity._measure(x, element="fp8_e4m3", axis=1, levels=levels)
+    chosen = levels.levels_named("fp8_e4m3", levels.available_levels("fp8_e4m3", 2))
+    measure = lambda x: level_stats.measure(x, axis=1, levels=chosen)
     for found in constant_work(measure, jnp.ones((256, 100))):
         print("CONSTANT", found)
 

@@ -1,2 +1,3 @@
 """Layer 6, diagnostics: per-block statistics of a quantization, the GEMM accumulation probe,
-and in-training telemetry of every training GEMM's legs."""
+in-training telemetry of every training GEMM's legs, and the granularity advisor (which
+scaling level each tensor or GEMM leg needs)."""

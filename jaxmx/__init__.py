@@ -54,7 +54,8 @@ if TYPE_CHECKING:
     from jaxmx._src.training.einsum import einsum
     from jaxmx._src.training.expert_parallel import expert_parallel_ffn
     from jaxmx._src.training.fsdp import fsdp_dot_general
-    from jaxmx._src.training.ragged import grouped_recipe, ragged_dot
+    from jaxmx._src.training.grouped import grouped_recipe
+    from jaxmx._src.training.ragged import ragged_dot
     from jaxmx._src.training.saved_activations import SAVED_QUANTIZED, save_quantized
     from jaxmx._src.training.scope import stochastic_rounding
 
@@ -92,7 +93,8 @@ _SOURCES = {
         "jaxmx._src.training.einsum": ("einsum",),
         "jaxmx._src.training.expert_parallel": ("expert_parallel_ffn",),
         "jaxmx._src.training.fsdp": ("fsdp_dot_general",),
-        "jaxmx._src.training.ragged": ("grouped_recipe", "ragged_dot"),
+        "jaxmx._src.training.grouped": ("grouped_recipe",),
+        "jaxmx._src.training.ragged": ("ragged_dot",),
         "jaxmx._src.training.saved_activations": ("SAVED_QUANTIZED", "save_quantized"),
         "jaxmx._src.training.scope": ("stochastic_rounding",),
     }.items()

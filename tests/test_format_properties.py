@@ -1,13 +1,14 @@
 """Properties every format of ``jaxmx.FORMATS`` keeps, one parameter per table entry (and two
-made-up entries, a 16-element-block MXFP8 and an MXFP4 in 64-element blocks, added to the table
-by a fixture): quantize against the per-kind reference of tests/reference.py (codes, scales,
-values), dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``,
-fake quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of
-the float64 product of the dequantized operands, ``vmap`` equal to a loop, ``jit`` equal to
-eager, an 8-device mesh equal to one device, and the scale kind's rules one protocol. What a property does not apply to is read from the entry (``span``, ``word_coded``,
-``gemm_operand``), never from its name. Each format runs its default scale rule on finite inputs
-in 1-D blocks; other scale rules, tiles, stochastic rounding and non-finite values are the
-per-feature tests' (test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
+made-up entries, a 16-element-block MXFP8 and an MXFP4 in 64-element blocks, added to the table by a
+fixture): quantize against the per-kind reference of tests/reference.py (codes, scales, values),
+dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``, fake
+quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of the
+float64 product of the dequantized operands, ``vmap`` equal to a loop, ``jit`` equal to eager,
+an 8-device mesh equal to one device, and the scale kind's rules one protocol. What a property
+does not apply to is read from the entry (``span``, ``word_coded``, ``gemm_operand``), never
+from its name. Each format runs its default scale rule on finite inputs in 1-D blocks; other
+scale rules, tiles, stochastic rounding and non-finite values are the per-feature tests'
+(test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
 
 import dataclasses
 

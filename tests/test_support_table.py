@@ -28,7 +28,7 @@ def test_every_format_and_feature_is_in_the_table():
 def without_tiles(monkeypatch):
     """The table edited to say MXFP8 has no tiles: the refusals must follow it."""
     feature = support.FEATURES["tiles"]
-    refused = lambda f: "no tiles in this test" if f.name == "mxfp8_e4m3" else feature.missing(f)  # noqa: E731
+    refused = lambda f: "no tiles in this test" if f.name == "mxfp8_e4m3" else feature.missing(f)
     monkeypatch.setitem(
         support.FEATURES,
         "tiles",

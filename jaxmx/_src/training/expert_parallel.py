@@ -64,7 +64,8 @@ from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
 from jaxmx._src.quantize.quantize import quantize
-from jaxmx._src.training.ragged import grouped_recipe, quantized_ragged_dot, ragged_dot
+from jaxmx._src.training.grouped import grouped_recipe
+from jaxmx._src.training.ragged import quantized_ragged_dot, ragged_dot
 
 _WHERE = "jaxmx.expert_parallel_ffn"
 

@@ -71,9 +71,6 @@ from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
-from jaxmx._src.core.sizes import round_up
-from jaxmx._src.core.support import lacks
-from jaxmx._src.gemm.dispatch import GROUPED_BACKEND, Gemm, kernels
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.quantize.quantize import dequantize, quantize
@@ -89,6 +86,13 @@ from jaxmx._src.training.contract import (
     named_input,
     observed,
     observed_gradient,
+)
+from jaxmx._src.training.grouped import (
+    BY_ROWS,
+    BY_TOKENS,
+    check_group_sizes,
+    group_padded,
+    grouped_recipe,
 )
 from jaxmx._src.training.higher_order import first_order_only
 
@@ -218,7 +222,7 @@ def _checked_operands(lhs, rhs, group_sizes, preferred_element_type):
         preferred_element_type or jnp.result_type(lhs, rhs),
         "jaxmx.ragged_dot: preferred_element_type",
     )
-    _check_group_sizes(group_sizes)
+    check_group_sizes(group_sizes)
     return rhs, group_sizes, out_dtype
 
 
@@ -242,62 +246,6 @@ def _run(recipe: Recipe, lhs, lhs_like, rhs, group_sizes, out_dtype, key):
     return _ragged(static, lhs, rhs, group_sizes.astype(jnp.int32), key, tap)
 
 
-def grouped_recipe(recipe: Recipe) -> Recipe:
-    """The recipe :func:`jaxmx.ragged_dot` runs for ``recipe``: the same fields but the
-    dispatcher's backend for grouped GEMMs, the emulation (there is no native grouped GEMM yet).
-
-    Weight tiles and the Hadamard transform need no change: a tile covers part of one expert's
-    ``[k, n]`` matrix, never two experts, and the transform of the weight-gradient operands runs
-    within each group's zero-padded whole blocks of tokens, which is exact per group. So every
-    preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
-    NotImplementedError: the native backend, the ``lax.scaled_dot`` one (it has no grouped
-    form), ``accum_bits`` (the modelled accumulator needs the blocked emulation of
-    :func:`jaxmx.matmul`), the per-tensor and per-row formats and ``wgrad="high_precision"``.
-
-    Example:
-        >>> import jaxmx
-        >>> r = jaxmx.grouped_recipe(jaxmx.recipes.NVFP4)
-        >>> r.weight_tile, r.rht, r == jaxmx.recipes.NVFP4.replace(backend=r.backend)
-        ((16, 16), True, True)
-        >>> r.backend                                   # the emulation: no native grouped GEMM
-        'emulate'
-    """
-    check_recipe(recipe, "jaxmx.grouped_recipe")
-    # the dispatcher's answer for a grouped GEMM: decoded operands on every platform (or its
-    # refusal of the backends without a grouped form), which _ragged's decode then
-    # lax.ragged_dot implement
-    kernels(Gemm(formats=(recipe.fwd, recipe.grad), backend=recipe.backend, grouped=True))
-    if recipe.accum_bits is not None:
-        raise NotImplementedError(
-            "jaxmx.ragged_dot: Recipe.accum_bits (a modelled limited accumulator) is not "
-            "available for grouped GEMMs; use a recipe without it"
-        )
-    for f in (get_format(recipe.fwd), get_format(recipe.grad)):
-        if missing := lacks(f, "grouped"):  # its wgrad scale would span every group's tokens
-            raise NotImplementedError(
-                f"jaxmx.ragged_dot: {f.name} ({missing}) has no grouped form yet "
-                "(the weight-gradient scales would need one per group); use a block format"
-            )
-    if recipe.wgrad != "quantized":
-        raise NotImplementedError(
-            f"jaxmx.ragged_dot: Recipe.wgrad={recipe.wgrad!r} is not available for grouped "
-            "GEMMs; use wgrad='quantized'"
-        )
-    return recipe.replace(backend=GROUPED_BACKEND)
-
-
-def _check_group_sizes(group_sizes: jax.Array) -> None:
-    """A ValueError for concrete ``group_sizes`` with a negative entry; traced ones (under
-    ``jit``) cannot be checked and are taken as they are."""
-    if isinstance(group_sizes, jax.core.Tracer):
-        return
-    sizes = np.asarray(group_sizes)  # numpy: a jnp comparison would trace under remat
-    if (sizes < 0).any():
-        raise ValueError(
-            f"jaxmx.ragged_dot: group_sizes must be non-negative, got {sizes.tolist()}"
-        )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Grouped(Static):
     """The grouped GEMM's :class:`Static`: with an already quantized lhs, its bits as
@@ -309,24 +257,6 @@ class _Grouped(Static):
 def _decoded(x, fmt: str, r: Recipe, axis: int, key=None) -> jax.Array:
     """``x`` quantized along ``axis`` and decoded to float32, exactly (without the codes)."""
     return fake_quantize(x, fmt, axis=axis, scale_mode=r.scale_mode, key=key)
-
-
-def group_padded(x: jax.Array, group_sizes: jax.Array, block: int):
-    """(rows of ``x`` laid out so that each group starts at a multiple of ``block``, zeros in
-    between and after, and the padded group sizes). ``x`` is ``[m, ...]``; the result has a static
-    ``roundup(m + (block - 1) g, block)`` rows."""
-    m, g = x.shape[0], group_sizes.shape[0]
-    rows = round_up(m + (block - 1) * g, block)
-    padded_sizes = round_up(group_sizes, block)
-    ends = jnp.cumsum(group_sizes)
-    starts, padded_starts = ends - group_sizes, jnp.cumsum(padded_sizes) - padded_sizes
-    i = jnp.arange(m)
-    group = jnp.searchsorted(ends, i, side="right")  # g for rows past the last group
-    inside = group < g
-    group = jnp.minimum(group, g - 1)
-    target = jnp.where(inside, padded_starts[group] + i - starts[group], rows)
-    out = jnp.zeros((rows, *x.shape[1:]), x.dtype).at[target].set(x, mode="drop")
-    return out, padded_sizes
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -344,7 +274,7 @@ def _forward(static: _Grouped, lhs, rhs, group_sizes, tiled: MXArray | None):
         lhs = dequantize(mx_from_bits(lhs.bits))
     else:
         lhs = _decoded(lhs, r.fwd, r, axis=1)
-    y = _by_rows(lhs, rhs, group_sizes)
+    y = BY_ROWS(lhs, rhs, group_sizes)
     return y.astype(static.out_dtype)
 
 
@@ -421,13 +351,13 @@ def _ragged_bwd(static: _Grouped, residuals, g):
         rhs = from_bits(saved[1], static.rhs_dtype)
         lhs_col, rhs_by_n = _columnwise(r, lhs, rhs, group_sizes, _tiled(r, rhs))
     row_key, col_key = scope.copy_keys(key)
-    dlhs = _by_rows(  # reduces N
+    dlhs = BY_ROWS(  # reduces N
         _decoded(g, r.grad, r, axis=1, key=row_key),
         dequantize(rhs_by_n).swapaxes(1, 2),
         group_sizes,
     )
     g_by_group, padded_sizes = _by_group(g, group_sizes, r)
-    drhs = _by_tokens(  # reduces each group's tokens: [g, k, n]
+    drhs = BY_TOKENS(  # reduces each group's tokens: [g, k, n]
         dequantize(lhs_col).T,
         _decoded(g_by_group, r.grad, r, axis=0, key=col_key),
         padded_sizes,
@@ -456,47 +386,6 @@ def _zero_cotangent(x: jax.ShapeDtypeStruct):
 
 _ragged.defvjp(_ragged_fwd, _ragged_bwd)
 
-
-def _batchable(dims: lax.RaggedDotDimensionNumbers):
-    """``(lhs, rhs, group_sizes) -> lax.ragged_dot_general(...)`` with ``dims`` and a float32
-    result, which ``jax.vmap`` batches whichever operands are mapped: ``lax.ragged_dot``'s own
-    batching rule takes only all three mapped along axis 0, so the others are broadcast to it.
-    (``jax.jacfwd`` vmaps the forward GEMM over unmapped operands.)"""
-
-    def dot(lhs, rhs, group_sizes):
-        return lax.ragged_dot_general(
-            lhs, rhs, group_sizes, dims, preferred_element_type=jnp.float32
-        )
-
-    batched = jax.custom_batching.custom_vmap(dot)
-
-    @batched.def_vmap
-    def _all_mapped(axis_size, in_batched, *operands):
-        operands = [
-            x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
-            for x, mapped in zip(operands, in_batched, strict=True)
-        ]
-        return jax.vmap(dot)(*operands), True
-
-    return batched
-
-
-# lhs [m, k] by rows, each group's rows times its rhs [k, n]: out [m, n] (lax.ragged_dot)
-_by_rows = _batchable(
-    lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (1,)), ((), ())),
-        lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[0],
-    )
-)
-# lhs [k, t] and rhs [t, n] over each group's tokens t: out [g, k, n]
-_by_tokens = _batchable(
-    lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (0,)), ((), ())),
-        lhs_ragged_dimensions=[1],
-        rhs_group_dimensions=[],
-    )
-)
 
 _WHERE = "jaxmx.ragged_dot"
 _RHT_ROWS = 16  # the Hadamard block of Recipe.rht (jaxmx.rht's default size)

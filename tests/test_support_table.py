@@ -19,9 +19,10 @@ def test_the_docs_print_the_table():
 
 
 def test_every_format_and_feature_is_in_the_table():
-    rows = support.support_table().splitlines()[2:]
+    rows = support.support_table().split("\n\n")[0].splitlines()[2:]
     assert [re.match(r"\| `([^`]+)`", r).group(1) for r in rows] == list(jaxmx.FORMATS)
     assert all(r.count("|") == len(support.FEATURES) + 2 for r in rows)
+    assert support.support_table().count("\n- ") == len(support.FEATURES)
 
 
 @pytest.fixture

@@ -104,7 +104,7 @@ def supporting(feature: str) -> list[str]:
 
 def support_table() -> str:
     """The Markdown table of every format (rows) and feature (columns), as docs/quantization.md
-    prints it: ``yes``, or ``no`` and the reason."""
+    prints it: ``yes``, or ``no`` and the reason; then what each feature is."""
     head = "| format | " + " | ".join(x.title for x in FEATURES.values()) + " |"
     rule = "|---|" + "---|" * len(FEATURES)
     rows = []
@@ -113,4 +113,5 @@ def support_table() -> str:
         rows.append(
             f"| `{name}` | " + " | ".join("yes" if c is None else f"no: {c}" for c in cells) + " |"
         )
-    return "\n".join([head, rule, *rows])
+    features = [f"- {x.title}: {x.what}." for x in FEATURES.values()]
+    return "\n".join([head, rule, *rows, "", *features])

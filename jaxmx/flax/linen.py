@@ -20,12 +20,13 @@ Example:
 
 from jaxmx._src.flax.checkpoint_names import hf_name
 from jaxmx._src.flax.checkpoint_tensors import CheckpointReport
+from jaxmx._src.flax.conversion_report import ConversionReport, LayerPlan
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, dot_general
 from jaxmx._src.flax.linen_checkpoints import export_checkpoint, load_checkpoint
 from jaxmx._src.flax.linen_conversion import conversion_report, quantize_model
 from jaxmx._src.flax.linen_kv_cache import kv_cache
 from jaxmx._src.flax.linen_weights import quantize_weights, weights_report
-from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE
 
 __all__ = [
     "DEFAULT_EXCLUDE",

@@ -18,12 +18,13 @@ Example:
 
 from jaxmx._src.flax.checkpoint_names import hf_name
 from jaxmx._src.flax.checkpoint_tensors import CheckpointReport
+from jaxmx._src.flax.conversion_report import ConversionReport, LayerPlan
 from jaxmx._src.flax.nnx import Einsum, Linear
 from jaxmx._src.flax.nnx_checkpoints import export_checkpoint, load_checkpoint
 from jaxmx._src.flax.nnx_conversion import quantize_model
 from jaxmx._src.flax.nnx_kv_cache import KVCacheAttention, init_kv_cache
 from jaxmx._src.flax.nnx_weights import QuantizedLinear, quantize_weights
-from jaxmx._src.flax.rules import DEFAULT_EXCLUDE, ConversionReport, LayerPlan
+from jaxmx._src.flax.rules import DEFAULT_EXCLUDE
 
 __all__ = [
     "DEFAULT_EXCLUDE",

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 
 from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.flax.conversion_report import ConversionReport
 from jaxmx._src.flax.internals import linen_rng_streams
 from jaxmx._src.flax.linen import Dense, DenseGeneral, Einsum, einsum_call
 from jaxmx._src.flax.ops import MXAttention, MXDotGeneral, MXRaggedDot, ragged_dot_attributes
@@ -35,7 +36,6 @@ from jaxmx._src.flax.rules import (
     GEMM,
     OWN,
     Conversion,
-    ConversionReport,
     Layer,
     Rule,
     dot_general_cls_refusal,

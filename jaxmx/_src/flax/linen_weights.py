@@ -21,14 +21,13 @@ import flax.linen as nn
 import jax
 
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.flax.conversion_report import ConversionReport, LayerPlan
 from jaxmx._src.flax.linen_conversion import method_names
 from jaxmx._src.flax.rules import (
     EMBEDDING,
     GEMM,
     REFUSED,
-    ConversionReport,
     Layer,
-    LayerPlan,
     Rule,
 )
 from jaxmx._src.flax.weights import (

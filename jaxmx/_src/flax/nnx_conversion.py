@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from flax import nnx
 
 from jaxmx._src.core.recipes import MXFP8, Recipe
+from jaxmx._src.flax.conversion_report import ConversionReport
 from jaxmx._src.flax.internals import nnx_dot_general_cls
 from jaxmx._src.flax.nnx import Einsum, Linear
 from jaxmx._src.flax.ops import (
@@ -31,7 +32,6 @@ from jaxmx._src.flax.rules import (
     GEMM,
     OWN,
     Conversion,
-    ConversionReport,
     Layer,
     Rule,
     dot_general_cls_refusal,

@@ -16,13 +16,12 @@ import math
 from flax import nnx
 
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.flax.conversion_report import ConversionReport, LayerPlan
 from jaxmx._src.flax.rules import (
     EMBEDDING,
     GEMM,
     REFUSED,
-    ConversionReport,
     Layer,
-    LayerPlan,
     Rule,
 )
 from jaxmx._src.flax.weights import (

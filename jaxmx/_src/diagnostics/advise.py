@@ -1,15 +1,7 @@
 """The advisor in training: :func:`advise` measures every GEMM leg of one training step at
 every scaling level, through an observer of the step's GEMMs (as telemetry is one).
 
-Example:
-    >>> import jax, jax.numpy as jnp, jaxmx
-    >>> from jaxmx import diagnostics
-    >>> def loss(w, x):
-    ...     with diagnostics.named("proj"):
-    ...         return (jaxmx.dot_general(x, w, (((1,), (0,)), ((), ()))) ** 2).sum()
-    >>> x, w = jax.random.normal(jax.random.key(0), (2, 32, 64))
-    >>> advise(loss, w.T, x, levels=("tensor", "mx32"))["proj"].legs["rhs"].names
-    ('tensor', 'mx32')
+See :func:`advise` for an example.
 """
 
 from __future__ import annotations

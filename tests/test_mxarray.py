@@ -31,7 +31,7 @@ def consumers(backend):
 
 BROKEN = {
     "scales of the wrong shape": (ValueError, lambda q: dataclasses.replace(q, scale=q.scale[:, :1])),  # noqa: E501
-    "codes of the wrong shape": (ValueError, lambda q: dataclasses.replace(q, data=q.data[:, :32])),
+    "codes of the wrong shape": (ValueError, lambda q: dataclasses.replace(q, held=q.held[:, :32])),
     "an axis that does not match": (ValueError, lambda q: dataclasses.replace(q, axis=0)),
     "an axis out of range": (ValueError, lambda q: dataclasses.replace(q, axis=2)),
     "a logical shape that disagrees": (ValueError, lambda q: dataclasses.replace(q, shape=(8, 96))),
@@ -106,7 +106,7 @@ def test_codes_in_the_padding_are_ignored(backend):
     a = jaxmx.quantize(jnp.asarray(rng.standard_normal((8, 40)), jnp.float32))
     b = jaxmx.quantize(jnp.asarray(rng.standard_normal((16, 40)), jnp.float32))
     garbage = a.data.view(jnp.uint8).at[:, 40:].set(0x38).view(a.data.dtype)  # 1.0 codes
-    dirty = dataclasses.replace(a, data=garbage)
+    dirty = dataclasses.replace(a, held=garbage)  # MXFP8: the held form is the codes
     clean = jaxmx.matmul(a, b, jnp.float32, backend=backend)
     np.testing.assert_array_equal(jaxmx.matmul(dirty, b, jnp.float32, backend=backend), clean)
     np.testing.assert_array_equal(jaxmx.dequantize(dirty), jaxmx.dequantize(a))

@@ -215,7 +215,7 @@ def test_format_facts():
     )
     assert (int8.bits, int8.elem_max, int8.is_integer, int8.dtype) == (8, 1.984375, True, jnp.int8)
     q = jaxmx.quantize(jnp.ones((2, 64)), "mxfp6_e2m3")
-    assert q.nbytes == 2 * 64 + 2 * 2  # one byte per FP6 element in memory, one per scale
+    assert q.nbytes == 2 * 64 * 3 // 4 + 2 * 2  # four FP6 codes per three bytes, a byte per scale
     assert "mxint8" in jaxmx.FORMATS and "mxfp6_e3m2" in jaxmx.FORMATS
 
 

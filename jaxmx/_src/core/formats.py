@@ -192,8 +192,33 @@ class Format:
 
     @property
     def storage_bits(self) -> int:
-        """Bits per element in memory (E2M1 counted as 4; FP6 takes a byte)."""
+        """Bits of the code ``dtype`` (E2M1 4, FP6 8: its ``uint8``, E5M6 16). At rest an
+        MXArray holds :attr:`packing`'s groups instead: :attr:`bits_at_rest`."""
         return _bits(self.dtype)
+
+    @property
+    def packing(self) -> tuple[int, int] | None:
+        """``(codes, bytes)``: how many codes an MXArray holds in how many bytes, along its block
+        axis (:mod:`jaxmx._src.core.packing`): ``(2, 1)`` for 4-bit codes, ``(4, 3)`` for FP6;
+        ``None`` where each code is held in its own ``dtype`` (8-bit codes, E5M6 in ``uint16``)."""
+        if self.storage_bits == 4:
+            return 2, 1
+        if self.bits == 6:
+            return 4, 3
+        return None
+
+    @property
+    def bits_at_rest(self) -> int:
+        """Bits an MXArray holds per element (4 for E2M1, 6 for FP6, else :attr:`storage_bits`).
+
+        Example:
+            >>> [get_format(n).bits_at_rest for n in ("mxfp4", "mxfp6_e2m3", "mxfp8_e4m3")]
+            [4, 6, 8]
+        """
+        if self.packing is None:
+            return self.storage_bits
+        codes, held = self.packing
+        return 8 * held // codes
 
 
 def _bits(dtype) -> int:

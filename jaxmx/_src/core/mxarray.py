@@ -17,7 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import dtypes
+from jaxmx._src.core import dtypes, packing
 from jaxmx._src.core.blocks import format_scale_shape, padded_shape
 from jaxmx._src.core.formats import Format, check_gemm_operand, get_format
 from jaxmx._src.core.support import lacks
@@ -58,14 +58,21 @@ def _unchecked(cls, **fields):
 
 
 @register_pytree
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class MXArray:
     """A tensor quantized in blocks along one axis, or in 2-D tiles of its last two axes.
 
+    ``MXArray(data, scale, fmt, axis, shape, tile=None, global_scale=None)`` takes the codes;
+    it holds them packed where the format's codes are narrower than a byte
+    (:attr:`Format.packing`: 4-bit codes two per byte, FP6 four per three bytes, along the block
+    axis; :mod:`jaxmx._src.core.packing`). :meth:`from_held` takes the held form.
+
     Attributes:
-        data: element codes, the logical shape padded along ``axis`` to a multiple of the block
-            (with ``tile``, the last two axes to multiples of the tile); padding codes are zero
-            and consumers ignore them.
+        held: the codes as the device holds them (the pytree leaf): ``data`` itself for 8-bit
+            and wider codes, ``uint8`` groups along ``axis`` for 4-bit and FP6 codes.
+        data: element codes (read from ``held``), the logical shape padded along ``axis`` to a
+            multiple of the block (with ``tile``, the last two axes to multiples of the tile);
+            padding codes are zero and consumers ignore them.
         scale: the block scales (the format's ``scale_dtype``: ``float8_e8m0fnu`` or
             ``float32``); ``data``'s shape with ``axis`` divided by the block (with ``tile``, the
             last two axes divided by the tile's sides). Per-row formats: ``axis`` of size 1;
@@ -93,9 +100,12 @@ class MXArray:
         Traceback (most recent call last):
         ...
         ValueError: MXArray: an MXArray of logical shape (4, 64) ... got codes (64,) and scales (2,)
+        >>> p = jaxmx.quantize(jnp.ones((4, 64)), "mxfp4")
+        >>> p.data.shape, p.held.shape, p.held.dtype, p.nbytes
+        ((4, 64), (4, 32), dtype('uint8'), 136)
     """
 
-    data: jax.Array
+    held: jax.Array
     scale: jax.Array
     fmt: str = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
@@ -103,10 +113,57 @@ class MXArray:
     tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
     global_scale: jax.Array | None = None
 
-    def __post_init__(self):
-        fields = checked_fields(self, "MXArray")
-        for name, value in zip(("fmt", "axis", "shape", "tile"), fields, strict=True):
+    def __init__(
+        self,
+        data=None,
+        scale=None,
+        fmt=None,
+        axis=None,
+        shape=None,
+        tile=None,
+        global_scale=None,
+        *,
+        held=None,
+    ):
+        if (data is None) == (held is None):
+            raise TypeError(
+                "MXArray: give the codes (data) or their held form (held=), one of the two "
+                "(dataclasses.replace(q, data=...) passes both: replace held=, or construct)"
+            )
+        given = data if held is None else held
+        fields = _checked(
+            given, scale, fmt, axis, shape, tile, global_scale, "MXArray", held=held is not None
+        )
+        f = get_format(fields[0])
+        if held is None:
+            held = packing.pack(jnp.asarray(data), f, axis=fields[1] - len(fields[2]))
+            held = held if f.packing else data
+        values = dict(zip(("fmt", "axis", "shape", "tile"), fields, strict=True))
+        for name, value in dict(values, held=held, scale=scale, global_scale=global_scale).items():
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_held(cls, held, scale, fmt, axis, shape, tile=None, global_scale=None) -> MXArray:
+        """The MXArray that holds ``held`` (:attr:`held`'s form: packed codes for 4-bit and FP6
+        formats), checked as the constructor checks codes (``MXArray(held=...)`` alike).
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmx
+            >>> q = jaxmx.quantize(jnp.ones((2, 32)), "mxfp4")
+            >>> r = jaxmx.MXArray.from_held(q.held, q.scale, "mxfp4", 1, (2, 32))
+            >>> bool((jaxmx.dequantize(r) == 1).all())
+            True
+        """
+        return cls(None, scale, fmt, axis, shape, tile, global_scale, held=held)
+
+    @property
+    def data(self) -> jax.Array:
+        """The element codes (``dtype`` of the format), unpacked from :attr:`held` where the
+        format packs them."""
+        f = self.format
+        if f.packing is None:
+            return self.held
+        return packing.unpack(jnp.asarray(self.held), f, axis=self.axis - self.ndim)
 
     @property
     def format(self) -> Format:
@@ -121,16 +178,16 @@ class MXArray:
     def data_axis(self) -> int:
         """The index of the block axis among the axes of ``data`` (which may have more or fewer
         leading dims than ``shape`` under ``vmap``)."""
-        return self.axis + self.data.ndim - self.ndim
+        return self.axis + self.scale.ndim - self.ndim
 
     @property
     def nbytes(self) -> int:
-        """Storage of data and scales in bytes (E2M1 counted as half a byte per element, FP6 as
-        the byte that holds it; the NVFP4 tensor scale included)."""
+        """Bytes the device holds: the held codes (packed for 4-bit and FP6 formats), the
+        scales and the NVFP4 tensor scale."""
         scales = self.scale.size * self.scale.itemsize
         if self.global_scale is not None:
             scales += self.global_scale.size * 4
-        return self.data.size * self.format.storage_bits // 8 + scales
+        return self.held.size * jnp.dtype(self.held.dtype).itemsize + scales
 
     def __jax_array__(self):
         raise TypeError(
@@ -154,22 +211,28 @@ def along(q: MXArray, axis: int) -> MXArray:
 def swap_last_axes(q: MXArray) -> MXArray:
     """``q`` [..., A, B] blocked along A, stored transposed: [..., B, A] blocked along axis -1.
 
-    Only the 1-byte codes and the scales move. E.g. a columnwise copy quantized along M of
+    Only the held codes and the scales move. E.g. a columnwise copy quantized along M of
     ``x [M, K]`` becomes the TN operand ``[K, M]`` of a GEMM that reduces M. A tiled ``q``
-    becomes the tiled transpose (``tile`` reversed): the same bytes serve ``x`` and ``x.T``.
+    becomes the tiled transpose (``tile`` reversed): the same codes serve ``x`` and ``x.T``
+    (packed codes are packed again along the new last axis).
     """
     shape = (*q.shape[:-2], q.shape[-1], q.shape[-2])
     tile = None if q.tile is None else q.tile[::-1]
-    data, scale = q.data.swapaxes(-1, -2), q.scale.swapaxes(-1, -2)
-    return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
+    scale = q.scale.swapaxes(-1, -2)
+    if tile is not None and q.format.packing:  # packed along the last axis, which moves
+        data = q.data.swapaxes(-1, -2)
+        return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
+    held = q.held.swapaxes(-1, -2)  # blocks along -2 become blocks along -1, groups whole
+    return MXArray.from_held(held, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MXBits:
-    """An MXArray's fields with its codes and scales viewed as unsigned integers of their width
-    (:func:`jaxmx._src.core.dtypes.to_bits`): how the training GEMMs save an MXArray for the
-    backward pass (:func:`as_bits`); :func:`from_bits` restores it, bit for bit."""
+    """An MXArray's fields with its held codes and scales viewed as unsigned integers of their
+    width (:func:`jaxmx._src.core.dtypes.to_bits`; packed codes stay packed): how the training
+    GEMMs save an MXArray for the backward pass (:func:`as_bits`); :func:`from_bits` restores
+    it, bit for bit."""
 
     data: jax.Array
     scale: jax.Array
@@ -182,15 +245,16 @@ class MXBits:
 
 def as_bits(q: MXArray) -> MXBits:
     """``q`` as :class:`MXBits`."""
-    data, scale = dtypes.to_bits(q.data), dtypes.to_bits(q.scale)
+    data, scale = dtypes.to_bits(q.held), dtypes.to_bits(q.scale)
     return MXBits(data, scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
 
 
 def from_bits(b: MXBits) -> MXArray:
     """The MXArray that :func:`as_bits` made ``b`` from."""
     f = get_format(b.fmt)
-    data, scale = dtypes.from_bits(b.data, f.dtype), dtypes.from_bits(b.scale, f.scale_dtype)
-    return MXArray(data, scale, b.fmt, b.axis, b.shape, b.tile, b.global_scale)
+    held = dtypes.from_bits(b.data, packing.held_dtype(f))
+    scale = dtypes.from_bits(b.scale, f.scale_dtype)
+    return MXArray.from_held(held, scale, b.fmt, b.axis, b.shape, b.tile, b.global_scale)
 
 
 def untiled(q: MXArray) -> MXArray:
@@ -205,9 +269,9 @@ def untiled(q: MXArray) -> MXArray:
             f"a {q.tile} tiled MXArray has no 1-D form: its tiles must be {q.format.block} wide"
         )
     n = q.shape[-2]
-    data = q.data[..., :n, :]
+    held = q.held[..., :n, :]  # rows: not the axis that codes are packed along
     scale = jnp.repeat(q.scale, rows, axis=-2)[..., :n, :]
-    return MXArray(data, scale, q.fmt, q.axis, q.shape, global_scale=q.global_scale)
+    return MXArray.from_held(held, scale, q.fmt, q.axis, q.shape, global_scale=q.global_scale)
 
 
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
@@ -220,10 +284,10 @@ def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:
             f"{where}: contracting sizes differ: a has K = {a.shape[a.axis]}, b has "
             f"K = {b.shape[b.axis]}"
         )
-    if a.data.shape[:-2] != b.data.shape[:-2]:
+    if a.scale.shape[:-2] != b.scale.shape[:-2]:
         raise ValueError(
-            f"{where}: batch dimensions differ: a {a.data.shape[:-2]} vs b "
-            f"{b.data.shape[:-2]} (data shapes {a.data.shape} and {b.data.shape})"
+            f"{where}: batch dimensions differ: a {a.scale.shape[:-2]} vs b "
+            f"{b.scale.shape[:-2]} (shapes {a.shape} and {b.shape})"
         )
 
 
@@ -237,50 +301,67 @@ def checked(q, where: str) -> MXArray:
         raise TypeError(f"{where}: expected an MXArray, got {type(q).__name__}")
     fmt, axis, shape, tile = checked_fields(q, where)
     g = None if q.global_scale is None else jnp.asarray(q.global_scale)
-    data, scale = jnp.asarray(q.data), jnp.asarray(q.scale)
+    held, scale = jnp.asarray(q.held), jnp.asarray(q.scale)
     return _unchecked(  # checked above, naming `where`: the constructor would check again
-        MXArray, data=data, scale=scale, fmt=fmt, axis=axis, shape=shape, tile=tile, global_scale=g
+        MXArray, held=held, scale=scale, fmt=fmt, axis=axis, shape=shape, tile=tile, global_scale=g
     )
 
 
 def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | None]:
-    """``(format name, axis, shape, tile)`` of the MXArray (or GridArray) ``q`` after checking
-    that its fields agree with each other, else a TypeError or ValueError naming ``where`` and
-    the field at fault: the format, the axis, the logical shape, the dtypes of codes and scales,
-    and the shapes of codes and scales (which may have extra leading dimensions, the same for
-    both, as under ``vmap``; traced leaves may also lack leading dimensions, as inside ``vmap``).
+    """``(format name, axis, shape, tile)`` of the MXArray (its held codes) or GridArray (its
+    element values) ``q`` after checking that its fields agree with each other, else a TypeError
+    or ValueError naming ``where`` and the field at fault (:func:`_checked`)."""
+    if isinstance(q, MXArray):
+        leaves = (q.held, q.scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
+        return _checked(*leaves, where, held=True)
+    return _checked(q.data, q.scale, q.fmt, q.axis, q.shape, None, None, where, values=True)
 
-    A GridArray (no ``tile``, no ``global_scale``) holds float32 element values, not codes.
-    """
-    f = get_format(q.fmt)
-    shape = _shape(q.shape, where)
-    if isinstance(q.axis, bool) or not _is_index(q.axis) or not -len(shape) <= q.axis < len(shape):
-        raise ValueError(f"{where}: MXArray axis {q.axis!r} is not an axis of shape {shape}")
-    axis = operator.index(q.axis) % len(shape)  # -1: the last, as quantize takes it
-    data_shape, data_dtype = _shape_and_dtype(q.data, "data", where)
-    scale_shape_, scale_dtype = _shape_and_dtype(q.scale, "scale", where)
-    elements, held = (f.dtype, "codes") if isinstance(q, MXArray) else (jnp.float32, "values")
+
+def _checked(
+    data, scale, fmt, axis, shape, tile, global_scale, where: str, *, held=False, values=False
+) -> tuple[str, int, tuple[int, ...], tuple | None]:
+    """``(format name, axis, shape, tile)`` after checking the fields of an MXArray against
+    each other: the format, the axis, the logical shape, the dtypes of codes and scales, and the
+    shapes of codes and scales (which may have extra leading dimensions, the same for both, as
+    under ``vmap``; traced leaves may also lack leading dimensions, as inside ``vmap``). ``data``
+    holds codes, the held codes (``held``: packed where the format packs) or float32 element
+    values (``values``: a GridArray, without tile or global scale)."""
+    f = get_format(fmt)
+    shape = _shape(shape, where)
+    if isinstance(axis, bool) or not _is_index(axis) or not -len(shape) <= axis < len(shape):
+        raise ValueError(f"{where}: MXArray axis {axis!r} is not an axis of shape {shape}")
+    axis = operator.index(axis) % len(shape)  # -1: the last, as quantize takes it
+    data_shape, data_dtype = _shape_and_dtype(data, "data", where)
+    scale_shape_, scale_dtype = _shape_and_dtype(scale, "scale", where)
+    kind = "GridArray" if values else "MXArray"
+    if values:
+        elements, what = jnp.float32, "values"
+    elif held and f.packing:
+        elements, what = packing.held_dtype(f), "packed codes"
+    else:
+        elements, what = f.dtype, "codes"
     if data_dtype != elements:
         raise TypeError(
-            f"{where}: an {f.name} {type(q).__name__} holds {jnp.dtype(elements)} {held}, got "
-            f"{data_dtype}"
+            f"{where}: an {f.name} {kind} holds {jnp.dtype(elements)} {what}, got {data_dtype}"
         )
     if scale_dtype != f.scale_dtype:
         raise TypeError(
             f"{where}: {f.name} MXArray scales must be {f.scale_dtype}, got {scale_dtype}"
         )
-    tile = check_tile(getattr(q, "tile", None), len(shape), where)
+    tile = check_tile(tile, len(shape), where)
     if tile is not None and axis != len(shape) - 1:
         raise ValueError(f"{where}: a tiled MXArray has axis {len(shape) - 1}, got {axis}")
     if tile is not None and (missing := lacks(f, "tiles")):
         raise ValueError(f"{where}: an {f.name} MXArray ({missing}) has no tile")
     want_data = padded_shape(shape, axis, f.block, tile)
+    if not values:
+        want_data = _held_or_codes(want_data, f, axis - len(shape), held, where)
     want_scale = format_scale_shape(f, shape, axis, tile)
     # Under vmap the leaves gain leading dims, or, traced, lose the logical shape's leading dims
     # (an MXArray built outside and vmapped over): compare the trailing dims, block axis included.
     ndim = len(data_shape)
     n = min(ndim, len(shape))
-    traced = any(isinstance(x, jax.core.Tracer) for x in (q.data, q.scale))
+    traced = any(isinstance(x, jax.core.Tracer) for x in (data, scale))
     consistent = (
         (ndim >= len(shape) or traced)
         and len(shape) - axis <= n  # the block axis is among the leaves' dims
@@ -290,15 +371,26 @@ def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | No
         and scale_shape_[ndim - n :] == want_scale[len(shape) - n :]
     )
     if not consistent:
+        shaped = "packed codes" if held and f.packing else "codes"
         raise ValueError(
             f"{where}: an MXArray of logical shape {shape} blocked along axis {axis}"
             f"{f' in {tile} tiles' if tile else ''} holds "
-            f"codes of shape {want_data} and scales of shape {want_scale} (give or take "
-            f"leading batch dims), got codes {data_shape} and scales {scale_shape_}"
+            f"{shaped} of shape {want_data} and scales of shape {want_scale} (give or take "
+            f"leading batch dims), got {shaped} {data_shape} and scales {scale_shape_}"
         )
-    if isinstance(q, MXArray):
-        _check_global_scale(q.global_scale, f, data_shape[: ndim - n], where)
+    if not values:
+        _check_global_scale(global_scale, f, data_shape[: ndim - n], where)
     return f.name, axis, shape, tile
+
+
+def _held_or_codes(padded: tuple[int, ...], f, axis: int, held: bool, where: str):
+    """The shape of the held codes (``held``) or of the codes of ``padded`` shape; a
+    ValueError naming ``where`` where the format's groups do not fit the block axis."""
+    try:
+        shape = packing.held_shape(padded, f, axis)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return shape if held else padded
 
 
 def _shape_and_dtype(x, name: str, where: str) -> tuple[tuple[int, ...], jnp.dtype]:

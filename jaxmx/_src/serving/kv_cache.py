@@ -33,6 +33,7 @@ from jax import lax
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.formats import Format, get_format
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.packing import held_dtype, held_shape
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize.quantize import dequantize, quantize
 from jaxmx._src.serving import kv_checks
@@ -50,8 +51,11 @@ class KVCache:
     """An MX-quantized KV cache (a pytree: jit and scan carry it; ``update`` returns a new one).
 
     Build one with :meth:`create`. Attributes:
-        k_codes, v_codes: element codes. Contiguous: ``[batch, kv_heads, max_len, head_dim]``;
-            paged: the pool ``[num_pages, kv_heads, page_size, head_dim]``.
+        k_codes, v_codes: element codes as an MXArray holds them (:attr:`MXArray.held`: 4-bit
+            codes two per byte, FP6 four per three bytes along ``head_dim``). Contiguous:
+            ``[batch, kv_heads, max_len, held]``; paged: the pool ``[num_pages, kv_heads,
+            page_size, held]``, ``held`` being ``head_dim`` (``head_dim / 2`` for 4-bit
+            codes, ``3 * head_dim / 4`` for FP6).
         k_scales, v_scales: the block scales, the codes' shape with ``head_dim`` divided by the
             format's block (E8M0 bytes for the MX formats).
         page_table: paged only: ``[batch, pages_per_seq]`` int32, the physical page of each
@@ -125,7 +129,7 @@ class KVCache:
             pages_per_seq = -(-max_len // page_size)
             rows = (batch * pages_per_seq, kv_heads, page_size)
             page_table = jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, -1)
-        codes = jnp.zeros((*rows, head_dim), f.dtype)
+        codes = jnp.zeros(held_shape((*rows, head_dim), f, axis=-1), held_dtype(f))
         scales = _zero_bytes((*rows, head_dim // f.block), f.scale_dtype)
         return cls(
             k_codes=codes,
@@ -149,12 +153,18 @@ class KVCache:
 
     @property
     def head_dim(self) -> int:
-        return self.k_codes.shape[-1]
+        return self.k_scales.shape[-1] * self.format.block
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: codes (4-bit codes as half a byte), scales and the page table."""
-        codes = 2 * self.k_codes.size * self.format.storage_bits // 8
+        """Bytes held: codes (packed: :attr:`k_codes`), scales and the page table.
+
+        Example:
+            >>> import jaxmx
+            >>> jaxmx.KVCache.create(1, 16, 1, 32, fmt="mxfp4").nbytes   # 16 * 16 + 16, x2
+            544
+        """
+        codes = 2 * self.k_codes.size * self.k_codes.dtype.itemsize
         scales = 2 * self.k_scales.size * self.k_scales.dtype.itemsize
         table = 0 if self.page_table is None else self.page_table.size * 4
         return codes + scales + table
@@ -215,7 +225,7 @@ class KVCache:
     def _quantized(self, x):
         """Codes and scales of ``x`` [batch, new_len, kv_heads, head_dim] along head_dim."""
         q = quantize(x, self.fmt, -1, global_scale=_tensor_scale(self.format))
-        return q.data, q.scale
+        return q.held, q.scale
 
     def _rows(self, index, n: int):
         """Where tokens ``index .. index + n - 1`` go: (leading index, position) ``[batch, n]``
@@ -251,7 +261,8 @@ class KVCache:
     def _mx(self, codes, scales) -> MXArray:
         codes, scales = self._logical(codes), self._logical(scales, outside=_nan_bytes)
         shape = (self.batch, self.kv_heads, self.max_len, self.head_dim)
-        return MXArray(codes, scales, self.fmt, 3, shape, global_scale=_tensor_scale(self.format))
+        g = _tensor_scale(self.format)
+        return MXArray.from_held(codes, scales, self.fmt, 3, shape, global_scale=g)
 
     def _logical(self, x, outside=None):
         """Contiguous ``[batch, kv_heads, max_len, c]`` of a (paged) leaf; the pages a

@@ -125,7 +125,9 @@ def leg_stats(
     x: jax.Array, fmt: str, axis: int, scale_mode: str, *, where: str = "leg_stats"
 ) -> LegStats:
     """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding); an empty ``x``
-    is a ValueError naming ``where``."""
+    is a ValueError naming ``where``. Inside ``jax.shard_map``, an ``x`` that varies over mesh
+    axes gets the statistics of the blocks of every device along them together, the same on
+    every device."""
     if math.prod(np.shape(x)) == 0:
         raise ValueError(
             f"{where}: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "

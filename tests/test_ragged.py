@@ -40,8 +40,9 @@ def inputs(seed=0):
 def reference_vjp(lhs, rhs, g, sizes):
     """Each GEMM from its own MX copies: out and dlhs row by row, drhs group by group (each
     group's tokens quantized along M on their own, zero-padded to whole blocks)."""
-    out, dlhs = np.zeros((M, N)), np.zeros((M, K))
-    drhs = np.zeros((len(sizes), K, N))
+    (m, k), n = np.shape(lhs), np.shape(rhs)[-1]
+    out, dlhs = np.zeros((m, n)), np.zeros((m, k))
+    drhs = np.zeros((len(sizes), k, n))
     lq, gq = qdq(lhs, 1), qdq(g, 1)
     for j, (a, b) in enumerate(groups(sizes)):
         out[a:b] = lq[a:b] @ qdq(rhs[j], 0)
@@ -69,6 +70,42 @@ def test_every_gemm_is_the_mx_definition(residuals):
         mx_vjp(lhs, rhs, g, SIZES, recipe), reference_vjp(lhs, rhs, g, SIZES), strict=True
     ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_in_shard_map_each_device_runs_its_own_groups():
+    """Experts replicated over 8 devices, each device with its own tokens and group sizes:
+    out and dlhs are each device's numpy reference, drhs the sum of the devices' references
+    (summed over the axis, as autodiff does for a replicated input)."""
+    mesh = jax.make_mesh((8,), ("ep",))
+    P = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(36, np.ones(len(SIZES)) / len(SIZES), size=8)  # 4 rows left over
+    lhs = jax.random.normal(jax.random.key(0), (8 * 40, K))
+    rhs = jax.random.normal(jax.random.key(1), (len(SIZES), K, N)) * K**-0.5
+    g = jax.random.normal(jax.random.key(2), (8 * 40, N))
+
+    specs = (P("ep"), P(), P("ep"), P("ep"))
+
+    def local(lhs, rhs, g, sizes):
+        out, pullback = jax.vjp(lambda a, b: jaxmx.ragged_dot(a, b, sizes), lhs, rhs)
+        return (out, *pullback(g))
+
+    run = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=(P("ep"), P("ep"), P()),
+    )
+    args = (lhs, rhs, g, jnp.asarray(sizes.reshape(-1), jnp.int32))
+    args = jax.device_put(args, tuple(jax.sharding.NamedSharding(mesh, s) for s in specs))
+    out, dlhs, drhs = jax.jit(run)(*args)
+    want = [
+        reference_vjp(lhs[40 * d : 40 * (d + 1)], rhs, g[40 * d : 40 * (d + 1)], sizes[d])
+        for d in range(8)
+    ]
+    np.testing.assert_allclose(out, np.concatenate([w[0] for w in want]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dlhs, np.concatenate([w[1] for w in want]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(drhs, sum(w[2] for w in want), rtol=1e-5, atol=1e-5)
 
 
 def test_matches_lax_ragged_dot_to_mxfp8_accuracy():

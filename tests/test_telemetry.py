@@ -205,6 +205,84 @@ def test_fsdp_dot_general_reports_the_legs_of_all_devices_together():
         np.testing.assert_array_equal(getattr(got["layer"], leg), getattr(want, leg), leg)
 
 
+def test_dot_general_in_shard_map_reports_the_legs_of_all_devices_together():
+    """Data parallelism inside shard_map over 8 devices (x and the output gradient split along
+    M, w replicated): jaxmx.dot_general records its four legs as the tensors of all devices
+    together, each equal to the numpy reference of the whole tensor."""
+    mesh = jax.make_mesh((8,), ("dp",))
+    recipe = jaxmx.recipes.MXFP8_HYBRID  # E4M3 forward legs, E5M2 gradient legs
+    x = jax.random.normal(jax.random.key(0), (256, 64))  # 32 rows (one block along M) each
+    w = jax.random.normal(jax.random.key(1), (64, 96)) / 8
+    g = jax.random.normal(jax.random.key(2), (256, 96)).at[7, 3].multiply(1e3)  # dL/dy
+
+    def local(x, w, g, taps):
+        with diagnostics.telemetry(taps) as record:
+            y = jaxmx.dot_general(x, w, DIMS, recipe=recipe)
+        return jax.lax.psum(jnp.sum(y * g), "dp"), record.forward
+
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("dp"), P(), P("dp"), P()), out_specs=(P(), P())
+    )
+    args = jax.device_put((x, w, g), tuple(NamedSharding(mesh, s) for s in (P("dp"), P(), P("dp"))))
+    taps = diagnostics.gemm_taps(sharded, *args)
+    step = jax.jit(jax.value_and_grad(sharded, (1, 3), has_aux=True))
+    (_, forward), (dw, tap_grads) = step(*args, taps)
+    report = diagnostics.telemetry_report(forward, tap_grads)
+    assert list(report) == ["dot_general"]
+    legs = report["dot_general"]
+    want = {  # each leg's whole tensor along the axis its copy is quantized along
+        "lhs": reference_leg(np.asarray(x), "mxfp8_e4m3", 1),
+        "rhs": reference_leg(np.asarray(w), "mxfp8_e4m3", 0),
+        "dgrad": reference_leg(np.asarray(g), "mxfp8_e5m2", 1),
+        "wgrad": reference_leg(np.asarray(g), "mxfp8_e5m2", 0),
+    }
+    for leg in diagnostics.LEGS:
+        for field in diagnostics.LegStats._fields:
+            value = getattr(getattr(legs, leg), field)
+            np.testing.assert_allclose(value, want[leg][field], rtol=1e-5, err_msg=(leg, field))
+    assert legs.wgrad.span_ratio_max > 5.6  # the outlier's block, on device 0 only
+    assert dw.shape == w.shape and np.isfinite(np.asarray(dw)).all()
+
+
+def test_ragged_dot_in_shard_map_reports_the_legs_of_all_devices_together():
+    """jaxmx.ragged_dot inside shard_map over 8 devices, each with its own tokens (two groups
+    of 32 rows) and the experts replicated: the legs of all devices together. The wgrad leg
+    lays each device's gradient out by group, each group's rows from a multiple of the block,
+    padded with zero rows to m + 31 g = 126 -> 128 rows: its blocks are those of g and as many
+    all-zero blocks."""
+    mesh = jax.make_mesh((8,), ("ep",))
+    lhs = jax.random.normal(jax.random.key(0), (512, 64))  # 64 tokens per device
+    rhs = jax.random.normal(jax.random.key(1), (2, 64, 32)) / 8
+    g = jax.random.normal(jax.random.key(2), (512, 32))
+    sizes = jnp.array([32, 32], jnp.int32)
+
+    def local(lhs, rhs, g, taps):
+        with diagnostics.telemetry(taps) as record:
+            y = jaxmx.ragged_dot(lhs, rhs, sizes)
+        return jax.lax.psum(jnp.sum(y * g), "ep"), record.forward
+
+    sharded = jax.shard_map(
+        local, mesh=mesh, in_specs=(P("ep"), P(), P("ep"), P()), out_specs=(P(), P())
+    )
+    specs = (P("ep"), P(), P("ep"))
+    args = jax.device_put((lhs, rhs, g), tuple(NamedSharding(mesh, s) for s in specs))
+    taps = diagnostics.gemm_taps(sharded, *args)
+    step = jax.jit(jax.value_and_grad(sharded, 3, has_aux=True))
+    (_, forward), tap_grads = step(*args, taps)
+    legs = diagnostics.telemetry_report(forward, tap_grads)["ragged_dot"]
+    g = np.asarray(g)
+    want = {
+        "lhs": reference_leg(np.asarray(lhs), "mxfp8_e4m3", 1),
+        "rhs": reference_leg(np.asarray(rhs).transpose(0, 2, 1).reshape(-1, 64), "mxfp8_e4m3", 1),
+        "dgrad": reference_leg(g, "mxfp8_e4m3", 1),
+        "wgrad": reference_leg(np.concatenate([g, np.zeros_like(g)]), "mxfp8_e4m3", 0),
+    }
+    for leg in diagnostics.LEGS:
+        for field in diagnostics.LegStats._fields:
+            value = getattr(getattr(legs, leg), field)
+            np.testing.assert_allclose(value, want[leg][field], rtol=1e-5, err_msg=(leg, field))
+
+
 def test_telemetry_off_compiles_to_the_program_without_the_feature(monkeypatch):
     params, x = make_params()
 

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
-import jax
 import numpy as np
 
-from jaxmx._src.checkpoints import layouts
+from jaxmx._src.checkpoints.entries import entries, with_stored_scales
+from jaxmx._src.checkpoints.placement import Sharding, Tensor, placed
 from jaxmx._src.checkpoints.safetensors_files import (
     CheckpointError,
     ShardedReader,
@@ -40,14 +39,12 @@ from jaxmx._src.checkpoints.scheme import (
     quantization_config,
     scheme_of,
 )
+from jaxmx._src.checkpoints.stored_weights import exact_reciprocal, stored, weight
 from jaxmx._src.core.mxarray import MXArray
 
 CONFIG = "config.json"
 MODELOPT_CONFIG = "hf_quant_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-
-Tensor = MXArray | jax.Array
-Sharding = jax.sharding.Sharding | Callable[[str, Tensor], jax.sharding.Sharding | None] | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,42 +64,6 @@ class Checkpoint:
     tensors: dict[str, Tensor]
     scheme: Scheme | None
     config: dict
-
-
-@dataclasses.dataclass(frozen=True)
-class _Roles:
-    """The names of a quantized weight's tensors: ``<module><suffix>`` for its codes, scales and
-    (NVFP4) tensor scale, and the suffix of its MXArray's name."""
-
-    codes: str
-    scale: str
-    tensor_scale: str | None
-    key: str
-
-
-def _roles(scheme: Scheme) -> _Roles:
-    if scheme.method in ("fp8", "mxfp8"):
-        return _Roles(".weight", ".weight_scale_inv", None, ".weight")
-    if scheme.method == "mxfp4":
-        return _Roles("_blocks", "_scales", None, "")
-    if scheme.method == "modelopt":
-        return _Roles(".weight", ".weight_scale", ".weight_scale_2", ".weight")
-    if scheme.weights in ("mxfp4", "nvfp4"):
-        nvfp4 = scheme.weights == "nvfp4"
-        return _Roles(
-            ".weight_packed", ".weight_scale", ".weight_global_scale" if nvfp4 else None, ".weight"
-        )
-    return _Roles(".weight", ".weight_scale", None, ".weight")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One tree entry: the tensor names it is read from (codes first) and whether it is a
-    quantized weight."""
-
-    key: str
-    names: tuple[str, ...]
-    quantized: bool
 
 
 def load(
@@ -150,12 +111,12 @@ def load(
     config = read_json(path / CONFIG) if (path / CONFIG).exists() else {}
     hf_quant = read_json(path / MODELOPT_CONFIG) if (path / MODELOPT_CONFIG).exists() else None
     scheme = scheme_of(config.get("quantization_config"), hf_quant)
-    entries = _entries(reader, scheme)
-    scheme = _with_stored_scales(scheme, reader, entries)
+    found = entries(reader, scheme)
+    scheme = with_stored_scales(scheme, reader, found)
     report = _reporter(progress)
     tensors: dict[str, Tensor] = {}
     order = {shard: i for i, shard in enumerate(reader.shards())}
-    by_shard = sorted(entries, key=lambda e: order[reader.shard_of(e.names[0])])
+    by_shard = sorted(found, key=lambda e: order[reader.shard_of(e.names[0])])
     shard = None
     for entry in by_shard:
         if reader.shard_of(entry.names[0]) != shard:
@@ -163,168 +124,16 @@ def load(
             report(f"reading shard {order[shard] + 1}/{len(order)}: {shard}")
         arrays = [reader.get(n) for n in entry.names]
         value = (
-            _weight(scheme, entry, arrays, inexact_tensor_scales) if entry.quantized else arrays[0]
+            weight(scheme, entry, arrays, inexact_tensor_scales) if entry.quantized else arrays[0]
         )
-        tensors[entry.key] = _placed(entry.key, value, sharding)
-        if entry.quantized and len(arrays) == 3 and not _exact_reciprocal(scheme, arrays[2]):
+        tensors[entry.key] = placed(entry.key, value, sharding)
+        if entry.quantized and len(arrays) == 3 and not exact_reciprocal(scheme, arrays[2]):
             # kept beside the MXArray, so that save writes back the stored encode factor
-            tensors[entry.names[2]] = _placed(entry.names[2], arrays[2], None)
-    ordered = [name for e in entries for name in (e.key, *e.names[2:]) if name in tensors]
+            tensors[entry.names[2]] = placed(entry.names[2], arrays[2], None)
+    ordered = [name for e in found for name in (e.key, *e.names[2:]) if name in tensors]
     return Checkpoint(
         tensors={name: tensors[name] for name in ordered}, scheme=scheme, config=config
     )
-
-
-def _exact_reciprocal(scheme: Scheme, stored: np.ndarray) -> bool:
-    """Whether a tensor scale loads exactly: a decode factor (ModelOpt), or an encode factor
-    (compressed-tensors) whose float32 reciprocal converts back to it."""
-    if scheme.method != "compressed-tensors":
-        return True
-    value = np.asarray(stored, np.float32).reshape(-1)[0]
-    return bool(np.float32(1) / (np.float32(1) / value) == value)
-
-
-def _entries(reader: ShardedReader, scheme: Scheme | None) -> list[_Entry]:
-    """The tree's entries, in the index's order, each quantized weight's tensors checked to be
-    complete; every tensor belongs to exactly one entry."""
-    names = reader.names()
-    present = set(names)
-    used: set[str] = set()
-    quantized: dict[str, _Entry] = {}
-    if scheme is not None:
-        roles = _roles(scheme)
-        for name in names:
-            if not name.endswith(roles.scale):
-                continue
-            module = name[: -len(roles.scale)]
-            codes = module + roles.codes
-            if codes not in present:
-                raise CheckpointError(f"scale tensor {name!r} has no weight {codes!r}")
-            group = (codes, name)
-            if roles.tensor_scale is not None:
-                tensor_scale = module + roles.tensor_scale
-                if tensor_scale not in present:
-                    raise CheckpointError(
-                        f"weight {codes!r}: its tensor scale {tensor_scale!r} is missing"
-                    )
-                group += (tensor_scale,)
-            quantized[codes] = _Entry(module + roles.key, group, True)
-            used.update(group)
-    entries = []
-    for name in names:
-        if name in quantized:
-            entries.append(quantized[name])
-        elif name not in used:
-            _refuse_unscaled(reader, scheme, name)
-            entries.append(_Entry(name, (name,), False))
-    return entries
-
-
-def _refuse_unscaled(reader: ShardedReader, scheme: Scheme | None, name: str) -> None:
-    """A tensor that only a scale makes sense of, found without one, raises."""
-    dtype, _ = reader.info(name)
-    if (dtype.itemsize == 1 and dtype.kind in "fV") or (
-        dtype == np.uint8 and name.endswith((".weight", "_blocks", ".weight_packed"))
-    ):
-        if scheme is None:
-            raise CheckpointError(
-                f"tensor {name!r} is {dtype.name}, but config.json declares no "
-                "quantization_config: its scales are unknown"
-            )
-        raise CheckpointError(
-            f"tensor {name!r} is {dtype.name} but its scale {_expected_scale(scheme, name)!r} is "
-            "missing"
-        )
-    if (
-        scheme is not None
-        and scheme.weights == "nvfp4"
-        and name.endswith((".weight_scale_2", ".weight_global_scale"))
-    ):
-        raise CheckpointError(f"tensor scale {name!r} has no block scales beside it")
-
-
-def _expected_scale(scheme: Scheme, name: str) -> str:
-    roles = _roles(scheme)
-    module = name.removesuffix(roles.codes) if name.endswith(roles.codes) else name
-    return module + roles.scale
-
-
-def _with_stored_scales(
-    scheme: Scheme | None, reader: ShardedReader, entries: list[_Entry]
-) -> Scheme | None:
-    """The scheme with what the config does not state but the scales show, which every weight
-    must share: compressed-tensors' FP8 scale dtype (the model's) and the shape of a per-tensor
-    scale (``()`` where transformers' FP8Linear allocates it, ``[1, 1]`` where its saver
-    writes it, ``[1]`` in compressed-tensors)."""
-    if scheme is None or scheme.weights not in ("tensor", "channel", "block"):
-        return scheme
-    dtypes, shapes = {}, {}
-    for entry in entries:
-        if entry.quantized:
-            dtype, shape = reader.info(entry.names[1])
-            dtypes.setdefault(dtype.name, entry.names[1])
-            shapes.setdefault(shape, entry.names[1])
-    if scheme.method == "compressed-tensors" and dtypes:
-        if len(dtypes) > 1:
-            raise CheckpointError(f"scales of differing dtypes: {dtypes}; jaxmx reads one")
-        ((dtype, name),) = dtypes.items()
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise CheckpointError(f"{name}: float scales expected, got {dtype}")
-        scheme = dataclasses.replace(scheme, scale_dtype=dtype)
-    if scheme.weights == "tensor" and shapes:
-        if len(shapes) > 1:
-            raise CheckpointError(f"per-tensor scales of differing shapes: {shapes}")
-        ((shape, name),) = shapes.items()
-        if math.prod(shape) != 1 or len(shape) > 2:
-            raise CheckpointError(f"{name}: a per-tensor scale, got shape {list(shape)}")
-        scheme = dataclasses.replace(scheme, scale_shape=shape)
-    return scheme
-
-
-def _weight(scheme: Scheme, entry: _Entry, arrays: list[np.ndarray], inexact: str) -> MXArray:
-    codes, scale, *tensor_scale = arrays
-    if scheme.method == "mxfp4":
-        if codes.ndim < 3 or codes.shape[-1] != 16:
-            raise CheckpointError(
-                f"{entry.names[0]}: gpt-oss blocks are [..., out, in/32, 16], "
-                f"got {list(codes.shape)}"
-            )
-        codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * 16)
-    g = tensor_scale[0] if tensor_scale else None
-    return layouts.to_mxarray(scheme, entry.key, codes, scale, g, inexact=inexact)
-
-
-def _placed(name: str, value, sharding: Sharding) -> Tensor:
-    """``value`` (numpy, or an MXArray of numpy leaves) on the devices ``sharding`` names,
-    copied out of the memory-mapped file."""
-    s = sharding(name, value) if callable(sharding) else sharding
-    if isinstance(value, MXArray):
-        g = value.global_scale
-        return MXArray(
-            _put(name, value.data, s),
-            _put(f"{name} (scales)", value.scale, s),
-            value.fmt,
-            value.axis,
-            value.shape,
-            value.tile,
-            None if g is None else _put(f"{name} (tensor scale)", g, _replicated(s)),
-        )
-    return _put(name, value, s)
-
-
-def _put(name: str, x: np.ndarray, s) -> jax.Array:
-    if s is None:
-        return jax.device_put(np.array(x))
-    try:
-        return jax.make_array_from_callback(x.shape, s, lambda index: np.array(x[index]))
-    except ValueError as e:
-        raise CheckpointError(f"{name}: cannot place {list(x.shape)} on {s}: {e}") from None
-
-
-def _replicated(s):
-    if s is None or not isinstance(s, jax.sharding.NamedSharding):
-        return s
-    return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
 
 
 def _reporter(progress) -> Callable[[str], None]:
@@ -379,7 +188,7 @@ def save(
         raise CheckpointError(f"{name}: an MXArray needs a Scheme to be written in")
     write_shards(
         path,
-        _stored(tensors, scheme),
+        stored(tensors, scheme),
         max_shard_bytes=max_shard_bytes,
         progress=_reporter(progress),
     )
@@ -391,36 +200,3 @@ def save(
     if scheme is not None and scheme.method == "modelopt":
         hf_quant = modelopt_config(scheme, ignore=ignore)
         (path / MODELOPT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
-
-
-def _stored(
-    tensors: Mapping[str, Tensor], scheme: Scheme | None
-) -> Iterator[tuple[str, np.ndarray]]:
-    """``(name, numpy array)`` of every tensor the checkpoint stores, in ``tensors``' order.
-    A plain tensor named like an MXArray's tensor scale (an inexactly loaded encode factor, see
-    :func:`load`) is the MXArray's to write."""
-    roles = None if scheme is None else _roles(scheme)
-    kept = {}
-    if roles is not None and roles.tensor_scale is not None:
-        for name, value in tensors.items():
-            extra = name.removesuffix(roles.key) + roles.tensor_scale
-            if isinstance(value, MXArray) and not isinstance(tensors.get(extra, value), MXArray):
-                kept[name] = extra
-    for name, value in tensors.items():
-        if not isinstance(value, MXArray):
-            if name not in kept.values():
-                yield name, np.asarray(value)
-            continue
-        if not name.endswith(roles.key):
-            raise CheckpointError(f"{name}: a quantized weight's name ends in {roles.key!r}")
-        module = name[: len(name) - len(roles.key)] if roles.key else name
-        kept_scale = np.asarray(tensors[kept[name]]) if name in kept else None
-        codes, scale, *tensor_scale = layouts.from_mxarray(scheme, name, value, kept_scale)
-        if scheme.method == "mxfp4":
-            codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 16, 16)
-        if scheme.method == "mxfp8" or (scheme.method == "fp8" and scheme.scale_dtype == "ue8m0"):
-            scale = scale.view(layouts.E8M0)
-        yield module + roles.codes, codes
-        yield module + roles.scale, scale
-        if tensor_scale:
-            yield module + roles.tensor_scale, tensor_scale[0]

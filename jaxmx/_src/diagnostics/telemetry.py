@@ -16,6 +16,10 @@ The GEMMs report the tensors they quantize themselves: the block installs its re
 observer of :mod:`jaxmx._src.training.scope`, and each GEMM hands it its legs (the backward
 ones from inside its custom VJP, as the tap's cotangent).
 
+Inside ``jax.shard_map`` each leg is recorded for all devices together (the same value on every
+device, so ``record.forward`` leaves it with ``out_specs`` ``P()``): the per-block statistics of
+a leg that varies over mesh axes are all-gathered over them before they are reduced.
+
 Outside a block nothing is recorded and nothing is added to the program.
 
 Example:
@@ -49,11 +53,13 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import Recipe
-from jaxmx._src.diagnostics.block_stats import NAN_SCALE_EXP, block_stats
+from jaxmx._src.core.vma import varying_axes
+from jaxmx._src.diagnostics.block_stats import NAN_SCALE_EXP, BlockStats, block_stats
 from jaxmx._src.training.scope import Leg, Tap, observing
 
 
@@ -119,7 +125,9 @@ def leg_stats(
     x: jax.Array, fmt: str, axis: int, scale_mode: str, *, where: str = "leg_stats"
 ) -> LegStats:
     """:class:`LegStats` of ``x`` quantized along ``axis`` (nearest rounding); an empty ``x``
-    is a ValueError naming ``where``."""
+    is a ValueError naming ``where``. Inside ``jax.shard_map``, an ``x`` that varies over mesh
+    axes gets the statistics of the blocks of every device along them together, the same on
+    every device."""
     if math.prod(np.shape(x)) == 0:
         raise ValueError(
             f"{where}: x of shape {tuple(np.shape(x))} is empty (a batch of 0 rows?): a GEMM "
@@ -130,7 +138,7 @@ def leg_stats(
 
 
 def _stats_of(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
-    s = block_stats(x, fmt, axis=axis, scale_mode=scale_mode)
+    s = _of_all_devices(block_stats(x, fmt, axis=axis, scale_mode=scale_mode), varying_axes(x))
     finite = s.scale_exp != NAN_SCALE_EXP  # NVFP4: every block of a tensor holding NaN or inf
 
     def masked(a):
@@ -150,6 +158,17 @@ def _stats_of(x: jax.Array, fmt: str, axis: int, scale_mode: str) -> LegStats:
         sqnr_db_min=jnp.nanmin(masked(s.sqnr_db)),
         nonfinite=jnp.any(~finite).astype(jnp.float32),
     )
+
+
+def _of_all_devices(s: BlockStats, shards: frozenset) -> BlockStats:
+    """``s`` of every device's blocks together, the same on every device: inside ``shard_map``,
+    the per-block statistics of an operand that varies over the mesh axes ``shards`` are
+    all-gathered over them (flattened: the statistics are taken over the set of blocks).
+    Outside ``shard_map`` (or for an operand the same on every device) ``s`` as it is."""
+    if not shards:
+        return s
+    axes = tuple(sorted(shards))
+    return jax.tree.map(lambda a: lax.all_gather(a.ravel(), axes, tiled=True, to="invarying"), s)
 
 
 class Telemetry:

@@ -86,6 +86,7 @@ from jaxmx._src.training.contract import (
     named_input,
     observed,
     observed_gradient,
+    vma_like,
 )
 from jaxmx._src.training.grouped import (
     BY_ROWS,
@@ -369,10 +370,11 @@ def _ragged_bwd(static: _Grouped, residuals, g):
         Operand(x=g, fmt=r.grad, axis=1),
         Operand(x=g_by_group, fmt=r.grad, axis=0),
     )
-    dlhs = dlhs.astype(static.lhs_dtype)
+    dlhs = vma_like(dlhs.astype(static.lhs_dtype), saved[0])
+    drhs = vma_like(drhs.astype(static.rhs_dtype), saved[1])
     if static.quantized_lhs is not None:  # the codes get none, the carrier the gradient
         dlhs = _Quantized(jax.tree.map(_zero_cotangent, static.quantized_lhs), dlhs)
-    return dlhs, drhs.astype(static.rhs_dtype), None, None, tap_ct
+    return dlhs, drhs, None, None, tap_ct
 
 
 def _shape_of(x) -> jax.ShapeDtypeStruct:

@@ -100,6 +100,48 @@ def test_quantize_matches_the_reference(f, axis):
     np.testing.assert_array_equal(got, want.values.astype(np.float32))
 
 
+def packed(codes: np.ndarray, f, axis: int) -> np.ndarray:
+    """The bytes that hold ``codes`` (padded along ``axis``): 4-bit codes two per byte (code
+    ``2i`` in the low nibble), FP6 codes four per three bytes (the little-endian 24-bit word
+    ``c0 | c1 << 6 | c2 << 12 | c3 << 18``); any other format's codes as they are."""
+    if f.bits not in (4, 6):
+        return bits(codes)
+    c = np.moveaxis(bits(codes), axis, -1).astype(np.uint32)
+    if f.bits == 4:
+        held = c[..., 0::2] | (c[..., 1::2] << 4)
+    else:
+        word = c[..., 0::4] | (c[..., 1::4] << 6) | (c[..., 2::4] << 12) | (c[..., 3::4] << 18)
+        held = np.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], axis=-1)
+        held = held.reshape(*c.shape[:-1], -1)
+    return np.moveaxis(held.astype(np.uint8), -1, axis)
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_held_codes_are_the_reference_codes_packed(f, axis):
+    """What the device holds: 4-bit codes two per byte, FP6 four per three bytes, along the
+    block axis; wider codes one per element."""
+    x = inputs((4, width(f)))
+    x = x if axis == 1 else x.T
+    q = jaxmx.quantize(jnp.asarray(x), f.name, axis=axis)
+    want = ref.quantized(f, x, axis)
+    if want.codes is None:  # no ml_dtypes type for the elements: held in their own dtype
+        assert q.held.dtype == f.dtype and q.held.shape == q.data.shape
+        return
+    np.testing.assert_array_equal(bits(q.held), packed(want.codes, f, axis))
+
+
+def test_nbytes_is_what_the_device_holds(f):
+    x = jnp.asarray(inputs((4, width(f))))
+    q = jaxmx.quantize(x, f.name)
+    device = sum(leaf.on_device_size_in_bytes() for leaf in jax.tree.leaves(q))
+    assert q.nbytes == device
+    elements = q.data.size
+    assert (
+        q.held.on_device_size_in_bytes()
+        == elements * {4: 4, 6: 6}.get(f.bits, 8 * f.dtype.itemsize) // 8
+    )
+
+
 def test_dequantized_values_are_a_fixed_point(f):
     x = jnp.asarray(inputs((4, width(f))))
     once = jaxmx.dequantize(jaxmx.quantize(x, f.name))

@@ -58,8 +58,9 @@ def held_shape(shape: tuple[int, ...], f: Format, axis: int) -> tuple[int, ...]:
     n = shape[axis]
     if n % codes:
         raise ValueError(
-            f"{f.name} holds {codes} codes in {held} bytes along the block axis; its padded length "
-            f"{n} is not a multiple of {codes} (give 2-D tiles a width that is)"
+            f"{f.name} packs {codes} codes into {held} byte{'s' * (held > 1)} along the block "
+            f"axis; its padded length {n} is not a multiple of {codes} (give 2-D tiles a width "
+            "that is)"
         )
     out = list(shape)
     out[axis] = n // codes * held

@@ -136,8 +136,8 @@ class MXArray:
         )
         f = get_format(fields[0])
         if held is None:
-            held = packing.pack(jnp.asarray(data), f, axis=fields[1] - len(fields[2]))
-            held = held if f.packing else data
+            axis = fields[1] - len(fields[2])  # from the end: leaves may have more leading dims
+            held = packing.pack(jnp.asarray(data), f, axis=axis) if f.packing else data
         values = dict(zip(("fmt", "axis", "shape", "tile"), fields, strict=True))
         for name, value in dict(values, held=held, scale=scale, global_scale=global_scale).items():
             object.__setattr__(self, name, value)

@@ -212,7 +212,7 @@ def _check_wire_format(fmt: str) -> None:
         raise NotImplementedError(
             f"{_WHERE}: the dispatch sends 8-bit codes; {fmt} codes are not whole bytes"
         )
-    if fmt == "nvfp4":
+    if f.has_global_scale:
         raise NotImplementedError(f"{_WHERE}: {fmt}'s tensor scale has no per-token form")
 
 

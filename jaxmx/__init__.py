@@ -28,17 +28,15 @@ if TYPE_CHECKING:
     from jaxmx import checkpoints, diagnostics, ffi, recipes
     from jaxmx._src.core.block_sharding import BlockShardingError
     from jaxmx._src.core.copies import Copies, SwizzledCopies
-    from jaxmx._src.core.formats import (
-        BLOCK_SCALE_MODES,
-        CURRENT_SCALE_MODES,
-        FORMATS,
-        NVFP4_SCALE_MODES,
-        SAVE_FORMATS,
-        SCALE_MODES,
-        Format,
-    )
+    from jaxmx._src.core.formats import FORMATS, SAVE_FORMATS, Format
     from jaxmx._src.core.mxarray import MXArray
     from jaxmx._src.core.recipes import BACKENDS, Recipe
+    from jaxmx._src.core.scale_kinds import (
+        BLOCK_SCALE_MODES,
+        CURRENT_SCALE_MODES,
+        NVFP4_SCALE_MODES,
+        SCALE_MODES,
+    )
     from jaxmx._src.core.swizzle import swizzle_scales, unswizzle_scales
     from jaxmx._src.gemm.availability import backends
     from jaxmx._src.gemm.matmul import matmul
@@ -67,17 +65,15 @@ _SOURCES = {
     for module, names in {
         "jaxmx._src.core.block_sharding": ("BlockShardingError",),
         "jaxmx._src.core.copies": ("Copies", "SwizzledCopies"),
-        "jaxmx._src.core.formats": (
-            "BLOCK_SCALE_MODES",
-            "CURRENT_SCALE_MODES",
-            "FORMATS",
-            "NVFP4_SCALE_MODES",
-            "SAVE_FORMATS",
-            "SCALE_MODES",
-            "Format",
-        ),
+        "jaxmx._src.core.formats": ("FORMATS", "SAVE_FORMATS", "Format"),
         "jaxmx._src.core.mxarray": ("MXArray",),
         "jaxmx._src.core.recipes": ("BACKENDS", "Recipe"),
+        "jaxmx._src.core.scale_kinds": (
+            "BLOCK_SCALE_MODES",
+            "CURRENT_SCALE_MODES",
+            "NVFP4_SCALE_MODES",
+            "SCALE_MODES",
+        ),
         "jaxmx._src.core.swizzle": ("swizzle_scales", "unswizzle_scales"),
         "jaxmx._src.gemm.availability": ("backends",),
         "jaxmx._src.gemm.matmul": ("matmul",),

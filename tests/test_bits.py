@@ -1,5 +1,6 @@
-"""The integer fp8 codec of jaxmx._bits against ml_dtypes, exhaustively over codes and ties; the
-wire form of 8-bit data (to_wire / from_wire) bit for bit over every code."""
+"""The integer fp8 codec (core/minifloat_codec.py) against ml_dtypes, exhaustively over codes and
+ties; ldexp_rounded against exact products; where against jnp.where; the wire form of 8-bit data
+(to_wire / from_wire) bit for bit over every code; nibble packing."""
 
 import functools
 
@@ -14,6 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmx
 from jaxmx._src.core import bits as _bits
+from jaxmx._src.core import exponents as _exponents
+from jaxmx._src.core import minifloat_codec as _codec
+from jaxmx._src.core import wire as _wire
 
 FORMATS = [  # (dtype, mbits, emin, ieee specials, max)
     (ml_dtypes.float8_e4m3fn, 3, -6, False, 448.0),
@@ -25,7 +29,7 @@ FORMATS = [  # (dtype, mbits, emin, ieee specials, max)
 def test_decode_every_code(dtype, mbits, emin, ieee, top):
     codes = np.arange(256, dtype=np.uint8)
     want = codes.view(dtype).astype(np.float32)
-    got = np.asarray(jax.jit(lambda c: _bits.decode_fp8(c, mbits, emin, ieee))(codes))
+    got = np.asarray(jax.jit(lambda c: _codec.decode_fp8(c, mbits, emin, ieee))(codes))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
@@ -43,9 +47,9 @@ def test_encode_matches_ml_dtypes_on_grid_points_ties_and_random_values(
     values = np.concatenate([grid, ties, random]).astype(np.float32)
     values = np.concatenate([values, np.nextafter(values, np.inf), np.nextafter(values, -np.inf)])
     values = np.clip(values, -top, top).astype(np.float32)
-    got = np.asarray(jax.jit(lambda v: _bits.encode_fp8(v, mbits, emin))(values))
+    got = np.asarray(jax.jit(lambda v: _codec.encode_fp8(v, mbits, emin))(values))
     np.testing.assert_array_equal(got, values.astype(dtype).view(np.uint8))
-    nan = np.asarray(jax.jit(lambda v: _bits.encode_fp8(v, mbits, emin))(np.float32([np.nan])))
+    nan = np.asarray(jax.jit(lambda v: _codec.encode_fp8(v, mbits, emin))(np.float32([np.nan])))
     assert np.isnan(nan.view(dtype).astype(np.float32)).all()
 
 
@@ -62,7 +66,7 @@ def test_ldexp_rounded_is_the_exact_product_rounded_once():
     k[-5:] = [-151, -150, -149 - 24, -150, -150]  # 1.25, 1.5 (tie up), carry, 0.75, 1.25 units
     with np.errstate(over="ignore"):
         want = (x.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
-    got = np.asarray(_bits.ldexp_rounded(x, k))
+    got = np.asarray(_exponents.ldexp_rounded(x, k))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -122,10 +126,10 @@ def every_code(name, count):
 @pytest.mark.parametrize("name, count, wire", WIRE_DTYPES)
 def test_to_wire_sends_the_bits_and_from_wire_restores_them(name, count, wire):
     x, patterns = every_code(name, count)
-    sent = jax.jit(_bits.to_wire)(x)
+    sent = jax.jit(_wire.to_wire)(x)
     assert sent.dtype == wire and sent.shape == x.shape
     np.testing.assert_array_equal(np.asarray(sent).astype(np.uint8), patterns)
-    back = jax.jit(_bits.from_wire, static_argnums=1)(sent, x.dtype)
+    back = jax.jit(_wire.from_wire, static_argnums=1)(sent, x.dtype)
     assert back.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(back).view(np.uint8), patterns)
 
@@ -139,14 +143,14 @@ PASSTHROUGH = [  # NaN payloads, -0, subnormals, infinities: bits must survive
 
 @pytest.mark.parametrize("x", PASSTHROUGH, ids=lambda x: x.dtype.name)
 def test_wider_arrays_pass_as_they_are_or_as_their_bytes(x):
-    sent = _bits.to_wire(x)
+    sent = _wire.to_wire(x)
     assert sent.dtype == x.dtype
     np.testing.assert_array_equal(np.asarray(sent).view(np.uint8), x.view(np.uint8))
-    assert _bits.from_wire(sent, x.dtype) is sent
-    as_bytes = jax.jit(functools.partial(_bits.to_wire, all_bytes=True))(x)
+    assert _wire.from_wire(sent, x.dtype) is sent
+    as_bytes = jax.jit(functools.partial(_wire.to_wire, all_bytes=True))(x)
     want = x.view(np.uint8).reshape(*x.shape, x.dtype.itemsize)  # little-endian, as XLA's
     np.testing.assert_array_equal(np.asarray(as_bytes), want)
-    back = _bits.from_wire(as_bytes, x.dtype)
+    back = _wire.from_wire(as_bytes, x.dtype)
     assert back.dtype == x.dtype and back.shape == x.shape
     np.testing.assert_array_equal(np.asarray(back).view(np.uint8), x.view(np.uint8))
 
@@ -160,8 +164,8 @@ def test_an_all_gather_of_the_wire_form_moves_one_u8_byte_per_element(name, coun
     spec = NamedSharding(mesh, P("x"))
 
     def gathered(a):
-        wire = jax.lax.all_gather(_bits.to_wire(a), "x", tiled=True)
-        return _bits.from_wire(wire, a.dtype)
+        wire = jax.lax.all_gather(_wire.to_wire(a), "x", tiled=True)
+        return _wire.from_wire(wire, a.dtype)
 
     f = jax.jit(jax.shard_map(gathered, mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))
     compiled = f.lower(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=spec)).compile()
@@ -174,9 +178,9 @@ def test_an_all_gather_of_the_wire_form_moves_one_u8_byte_per_element(name, coun
 def test_nibbles_pack_two_per_byte_low_first():
     rng = np.random.default_rng(0)
     values = rng.integers(0, 16, size=(3, 8), dtype=np.uint8)
-    packed = _bits.pack_nibbles(jnp.asarray(values, jnp.uint4))
+    packed = _wire.pack_nibbles(jnp.asarray(values, jnp.uint4))
     want = values[:, 0::2] | (values[:, 1::2] << 4)  # element 2i low, 2i + 1 high
     np.testing.assert_array_equal(np.asarray(packed), want)
-    back = _bits.unpack_nibbles(packed)
+    back = _wire.unpack_nibbles(packed)
     assert back.dtype == jnp.uint4
     np.testing.assert_array_equal(np.asarray(back.astype(jnp.uint8)), values)

@@ -21,20 +21,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.sizes import round_up
 
 ROW_TILE = 128
 COL_TILE = 4
-SWIZZLED_DTYPES = (*bits.SCALE_DTYPES, jnp.dtype(jnp.float8_e4m3fn))
+SWIZZLED_DTYPES = (*wire.SCALE_DTYPES, jnp.dtype(jnp.float8_e4m3fn))
 """The scale dtypes :func:`swizzle_scales` takes: E8M0 (MX), E4M3 (NVFP4) and their bytes."""
 
 
 def swizzle_scales(scale: jax.Array) -> jax.Array:
     """Compact [..., R, C] E8M0 or E4M3 (or uint8) scales -> [..., Rp * Cp] uint8 in cuBLAS tile
     order."""
-    s = bits.as_bytes(scale, "swizzle_scales: scales", SWIZZLED_DTYPES)
+    s = wire.as_bytes(scale, "swizzle_scales: scales", SWIZZLED_DTYPES)
     if s.ndim < 2:
         raise ValueError(f"swizzle_scales expects [..., R, C] scales, got shape {s.shape}")
     return on_explicit_axes(_swizzled, s)
@@ -60,13 +60,13 @@ def unswizzle_scales(buf: jax.Array, rows: int, cols: int, dtype=jnp.float8_e8m0
     for name, n in (("rows", rows), ("cols", cols)):
         if n < 0:
             raise ValueError(f"unswizzle_scales: {name} must be non-negative, got {n}")
-    b = bits.as_bytes(buf, "unswizzle_scales: buf", SWIZZLED_DTYPES)
+    b = wire.as_bytes(buf, "unswizzle_scales: buf", SWIZZLED_DTYPES)
     rp, cp = round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
     if b.ndim < 1 or b.shape[-1] != rp * cp:
         raise ValueError(
             f"a swizzled buffer for {rows}x{cols} scales has {rp * cp} bytes, got shape {b.shape}"
         )
-    return bits.from_bytes(on_explicit_axes(_unswizzled, b, rows=rows, cols=cols), dtype)
+    return wire.from_bytes(on_explicit_axes(_unswizzled, b, rows=rows, cols=cols), dtype)
 
 
 def _unswizzled(b: jax.Array, rows: int, cols: int) -> jax.Array:

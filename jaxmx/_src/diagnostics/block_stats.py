@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, ieee_arithmetic
 from jaxmx._src.core.blocks import blocked
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
@@ -176,7 +176,7 @@ def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> Bloc
         s = nvfp4.block_scales(q.scale).reshape(block_shape)
         g = q.global_scale
         is_nan_scale = jnp.isnan(s)
-        effective = bits.multiply_exact(s, g)  # the block's scale s * g
+        effective = ieee_arithmetic.multiply_exact(s, g)  # the block's scale s * g
         scale_exp = ((bits.to_bits(effective) >> bits.MANTISSA_BITS) & 0xFF) - bits.EXPONENT_BIAS
         scale_exp = jnp.where(is_nan_scale, NAN_SCALE_EXP, scale_exp)
         magnitude = jnp.abs(nvfp4.scaled_elements(xb, s, g))  # what the quantizer rounds
@@ -184,15 +184,17 @@ def _block_stats(x: jax.Array, *, f: Format, axis: int, scale_mode: str) -> Bloc
         # units: 2^k, the block's own power-of-two (MXFP4 rceil) scale
         byte, scaled = scaled_blocks(xb, get_format("mxfp4"), "rceil", None)
         k = jnp.minimum(byte - bits.EXPONENT_BIAS, 126)  # in [-127, 126]; NaN blocks masked
-        codes = bits.scale_by_pow2(bits.multiply_exact(codes * s, g), -k)  # dequantized / 2^k
+        codes = exponents.scale_by_pow2(
+            ieee_arithmetic.multiply_exact(codes * s, g), -k
+        )  # dequantized / 2^k
     else:
         byte = scale_exponent_bytes(q.scale).reshape(block_shape)
-        is_nan_scale = byte == bits.E8M0_NAN
+        is_nan_scale = byte == exponents.E8M0_NAN
         scale_exp = jnp.where(is_nan_scale, NAN_SCALE_EXP, byte - bits.EXPONENT_BIAS)
-        scaled = bits.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))  # exact
+        scaled = exponents.scale_by_pow2(xb, -jnp.where(is_nan_scale, 0, scale_exp))  # exact
         # thresholds on the scaled value |x| / 2^e, moved to x's scale and compared as bits
-        smallest_normal = bits.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
-        largest = bits.ldexp_exact(jnp.float32(f.elem_max), scale_exp)
+        smallest_normal = exponents.ldexp_exact(jnp.float32(2.0**f.emin), scale_exp)
+        largest = exponents.ldexp_exact(jnp.float32(f.elem_max), scale_exp)
         below_normal = _bits_less(magnitude_bits, bits.to_bits(smallest_normal))
         above_largest = _bits_less(bits.to_bits(largest), magnitude_bits)
     mean = jnp.sum(scaled, axis=2, keepdims=True) / count[:, :, None]

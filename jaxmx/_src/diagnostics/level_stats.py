@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.formats import Format
 from jaxmx._src.diagnostics.levels import Level
 from jaxmx._src.quantize.codec import decode_elements
@@ -130,8 +130,8 @@ def _down_to_one(x: jax.Array, amax_bits: jax.Array) -> jax.Array:
     ``amax_bits`` (broadcast against ``x``), so the largest value is in [1, 2): ratios of sums
     of squares are then free of float32 overflow (``|x|`` above about 1.8e19) and of subnormal
     flushing (XLA:CPU flushes subnormals in arithmetic)."""
-    exponent = bits.exponent_and_mantissa(amax_bits)[0] - bits.EXPONENT_BIAS
-    return bits.scale_by_pow2(x, -jnp.clip(exponent, -127, 127))
+    exponent = exponents.exponent_and_mantissa(amax_bits)[0] - bits.EXPONENT_BIAS
+    return exponents.scale_by_pow2(x, -jnp.clip(exponent, -127, 127))
 
 
 def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:

@@ -25,14 +25,12 @@ import re
 
 import numpy as np
 
-from jaxmx._src.core.formats import (
+from jaxmx._src.core.formats import FORMATS, Format, get_format
+from jaxmx._src.core.scale_kinds import (
     E4M3_SCALES_TENSOR_SCALED,
     E8M0_SCALES,
     FLOAT32_SCALES,
-    FORMATS,
-    Format,
     ScaleKind,
-    get_format,
 )
 
 # The name of a block level by its scale kind, ``{block}`` its elements per scale: the names the

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import exponents
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.recipes import STEP, Accumulation
 from jaxmx._src.core.sizes import round_up
@@ -70,7 +70,7 @@ def limited_matmul(a: MXArray, b: MXArray, out_dtype, accumulation: Accumulation
     (total, _), _ = lax.scan(step, (zeros, zeros), (indices, by_step(a_values), by_step(b_values)))
     shift = a_shift[..., :, None] + b_shift[..., None, :]
     half = shift // 2
-    return (total * bits.pow2(half) * bits.pow2(shift - half)).astype(out_dtype)
+    return (total * exponents.pow2(half) * exponents.pow2(shift - half)).astype(out_dtype)
 
 
 def _tn_rows(q: MXArray) -> tuple[jax.Array, jax.Array]:

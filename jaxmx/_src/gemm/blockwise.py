@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.vma import vary_like
@@ -141,7 +141,7 @@ def _sum_blocks(a, b, a_exponent, b_exponent, rows) -> jax.Array:
     start = (jnp.full(shape, -0.0, jnp.float32), jnp.full(shape, _NO_TERM, jnp.int32))
     start = tuple(vary_like(x, *jax.tree.leaves((a, b))) for x in start)
     total, frame = lax.fori_loop(0, a.scale.shape[a_kb], step, start)
-    return bits.ldexp_rounded(total, frame)
+    return exponents.ldexp_rounded(total, frame)
 
 
 def _down(x: jax.Array, shift: jax.Array) -> jax.Array:
@@ -149,7 +149,7 @@ def _down(x: jax.Array, shift: jax.Array) -> jax.Array:
     as two float32 multiplies by powers of two: exact where the result is normal; below
     ``2^-126`` it may flush (XLA:CPU), and below ``2^-252`` it does."""
     first = jnp.clip(shift, -126, 0)
-    return x * bits.pow2(first) * bits.pow2(jnp.clip(shift - first, -126, 0))
+    return x * exponents.pow2(first) * exponents.pow2(jnp.clip(shift - first, -126, 0))
 
 
 def _blocked(q, values: jax.Array) -> jax.Array:
@@ -169,7 +169,7 @@ def _exponents(q) -> jax.Array:
     if not q.format.scale_kind.pow2:
         return jnp.zeros(q.scale.shape, jnp.int32)
     byte = scale_exponent_bytes(q.scale)
-    return bits.where(byte == bits.E8M0_NAN, _NAN_EXPONENT, byte - bits.EXPONENT_BIAS)
+    return bits.where(byte == exponents.E8M0_NAN, _NAN_EXPONENT, byte - bits.EXPONENT_BIAS)
 
 
 def _row_axis(q) -> int:

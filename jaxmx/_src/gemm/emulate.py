@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.blockwise import exact_into, fits_row_relative, needs_check
@@ -116,7 +116,7 @@ def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> ja
     if not shift:
         return out
     # in [-254, 254]; one rounding, subnormal results kept (no flushing)
-    return bits.ldexp_rounded(out, functools.reduce(jnp.add, shift))
+    return exponents.ldexp_rounded(out, functools.reduce(jnp.add, shift))
 
 
 def with_tensor_scales(out: jax.Array, a, b) -> jax.Array:

@@ -54,7 +54,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes, spec_of
 from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
@@ -129,7 +129,7 @@ def gathered_gemm(kernel: Kernel, a, b, out_dtype, forward: bool = False, like=N
             side = _Side(
                 "mx", op.fmt, op.axis, None, op.shape, op.tile, dtypes, op.scale.shape[:-2]
             )
-            arrays = tuple(bits.to_wire(x) for x in arrays)
+            arrays = tuple(wire.to_wire(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
     rows = tuple(s.shape[-1] if s.k_first else s.shape[-2] for s in sides)
@@ -160,7 +160,7 @@ def _partitioned(
         if gathers is not None:
             arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))
         data, scale, *tensor_scale = (
-            bits.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True)
+            wire.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True)
         )
         nd = len(side.shape)
         for i, n in enumerate(side.scale_batch):  # undo the broadcasts
@@ -223,14 +223,14 @@ def _gather(x, gathers):
 
 def all_gathered(x, axis_name, axis: int):
     """``lax.all_gather(x, axis_name, axis=axis, tiled=True)``, ``x`` crossing in its wire form
-    (:func:`~jaxmx._src.core.bits.to_wire`; 4-bit codes with an even last dim two per byte)."""
-    wire = bits.to_wire(x)
-    if wire.dtype != jnp.uint4 or wire.shape[-1] % 2:
-        out = lax.all_gather(wire, axis_name, axis=axis, tiled=True)
+    (:func:`~jaxmx._src.core.wire.to_wire`; 4-bit codes with an even last dim two per byte)."""
+    sent = wire.to_wire(x)
+    if sent.dtype != jnp.uint4 or sent.shape[-1] % 2:
+        out = lax.all_gather(sent, axis_name, axis=axis, tiled=True)
     else:  # whole pairs on every shard: the gathered pairs are the pairs of the gathered codes
-        packed = lax.all_gather(bits.pack_nibbles(wire), axis_name, axis=axis, tiled=True)
-        out = bits.unpack_nibbles(packed)
-    return bits.from_wire(out, x.dtype)
+        packed = lax.all_gather(wire.pack_nibbles(sent), axis_name, axis=axis, tiled=True)
+        out = wire.unpack_nibbles(packed)
+    return wire.from_wire(out, x.dtype)
 
 
 def _rule(sides, liked: bool) -> str:

@@ -33,7 +33,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import (
     BlockShardingError,
     ReducedAxis,
@@ -88,7 +88,7 @@ def partitioned_gemm(
         args = (a, b, a_scale, b_scale)
         dtypes = tuple(jnp.dtype(x.dtype) for x in args)
         op = _partitioned(per_shard, out_dtype, dtypes, where, block, tuple(k_first))
-        return op(*(bits.to_wire(x) for x in args))
+        return op(*(wire.to_wire(x) for x in args))
 
     return gemm
 
@@ -96,7 +96,7 @@ def partitioned_gemm(
 @functools.cache
 def _partitioned(per_shard: Callable, out_dtype, dtypes, where: str, block: int, k_first):
     def local(dtype, args):
-        return per_shard(dtype)(*(bits.from_wire(x, t) for x, t in zip(args, dtypes, strict=True)))
+        return per_shard(dtype)(*(wire.from_wire(x, t) for x, t in zip(args, dtypes, strict=True)))
 
     @custom_partitioning
     def gemm(a, b, a_scale, b_scale):

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, wire
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.gemm.emulate import exact_or_row_relative, rescaled, with_tensor_scales
 from jaxmx._src.gemm.kernels import Kernel
@@ -89,8 +89,10 @@ def _operand(q: MXArray) -> tuple[jax.Array, jax.Array, jax.Array]:
         return _zeroed(q, None), q.scale, jnp.zeros(rows, jnp.int32)
     relative, row_max, nan = relative_exponents(q.scale, k)
     underflow = relative < MIN_E8M0_EXPONENT
-    byte = jnp.where(nan, bits.E8M0_NAN, jnp.where(underflow, 0, relative + bits.EXPONENT_BIAS))
-    scale = bits.from_bytes(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    byte = jnp.where(
+        nan, exponents.E8M0_NAN, jnp.where(underflow, 0, relative + bits.EXPONENT_BIAS)
+    )
+    scale = wire.from_bytes(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return _zeroed(q, underflow & ~nan), scale, row_max
 
 

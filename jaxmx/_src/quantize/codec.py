@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, minifloat_codec, wire
 from jaxmx._src.core.formats import Format
 
 
@@ -22,10 +22,12 @@ def encode(values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
     """RNE cast of in-range float32 values to the element codes (``on_grid``: the values are
     already on the element grid, see :func:`to_grid`)."""
     if f.byte_coded:
-        code = bits.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits)
-        return bits.from_bytes(code, f.dtype)
+        code = minifloat_codec.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits)
+        return wire.from_bytes(code, f.dtype)
     if f.word_coded:
-        return bits.encode_fp8(values, f.mbits, f.emin, on_grid, width=f.bits, out_dtype=f.dtype)
+        return minifloat_codec.encode_fp8(
+            values, f.mbits, f.emin, on_grid, width=f.bits, out_dtype=f.dtype
+        )
     if f.is_integer:
         return integer_codes(values if on_grid else to_grid(values, f), f)
     return values.astype(f.dtype)
@@ -41,7 +43,7 @@ def to_grid(values: jax.Array, f: Format) -> jax.Array:
         >>> to_grid(jnp.array([0.3, -0.001, 1.0]), get_format("mxint8")).tolist()  # 2^-6 grid
         [0.296875, 0.0, 1.0]
     """
-    on_grid = bits.round_to_grid(values, f.mbits, f.emin)
+    on_grid = minifloat_codec.round_to_grid(values, f.mbits, f.emin)
     return bits.where(on_grid == 0, 0.0, on_grid) if f.is_integer else on_grid
 
 
@@ -62,10 +64,14 @@ def integer_codes(on_grid: jax.Array, f: Format) -> jax.Array:
 def decode_elements(data: jax.Array, f: Format) -> jax.Array:
     """float32 values of element codes of format ``f``, exactly."""
     if f.byte_coded:
-        code = bits.as_bytes(data)
-        return bits.decode_fp8(code, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits)
+        code = wire.as_bytes(data)
+        return minifloat_codec.decode_fp8(
+            code, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits
+        )
     if f.word_coded:
-        return bits.decode_fp8(data, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits)
+        return minifloat_codec.decode_fp8(
+            data, f.mbits, f.emin, ieee_specials=f.has_inf, width=f.bits
+        )
     if f.is_integer:
         return data.astype(jnp.float32) * 2.0**-f.mbits
     return data.astype(jnp.float32)
@@ -73,10 +79,10 @@ def decode_elements(data: jax.Array, f: Format) -> jax.Array:
 
 def scale_exponent_bytes(scale: jax.Array) -> jax.Array:
     """The E8M0 bytes of ``scale`` as int32 (the scale is ``2^(byte - 127)``, 255 is NaN)."""
-    return bits.as_bytes(scale, "MX scales", bits.SCALE_DTYPES).astype(jnp.int32)
+    return wire.as_bytes(scale, "MX scales", wire.SCALE_DTYPES).astype(jnp.int32)
 
 
 def scale_back(values: jax.Array, byte: jax.Array) -> jax.Array:
     """``values * 2^(byte - 127)`` exactly (subnormals included), NaN where ``byte`` is 0xFF."""
     k = jnp.minimum(byte, 254) - bits.EXPONENT_BIAS
-    return bits.where(byte == bits.E8M0_NAN, jnp.nan, bits.ldexp_exact(values, k))
+    return bits.where(byte == exponents.E8M0_NAN, jnp.nan, exponents.ldexp_exact(values, k))

@@ -28,7 +28,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes, spec_of
 from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.exportable import exportable
@@ -46,8 +46,8 @@ def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int
     args = (w,) if g is None else (w, g.reshape((1,) * w.ndim))
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape, g is not None)(*args)
     return MXArray(
-        bits.from_wire(data, f.dtype),
-        bits.from_wire(scale, f.scale_dtype),
+        wire.from_wire(data, f.dtype),
+        wire.from_wire(scale, f.scale_dtype),
         fmt,
         w.ndim - 1,
         w.shape,
@@ -65,7 +65,7 @@ def _partitioned(
     def local(w, *g):  # g: the tensor scale, shaped [1, ..., 1]
         global_scale = g[0].reshape(()) if g else None
         q = quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile, global_scale=global_scale)
-        return bits.to_wire(q.data), bits.to_wire(q.scale)
+        return wire.to_wire(q.data), wire.to_wire(q.scale)
 
     @custom_partitioning
     def quantized(*args):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, ieee_arithmetic, minifloat_codec, wire
 from jaxmx._src.core.formats import Format
 
 E4M3_MAX = 448.0
@@ -44,7 +44,7 @@ _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 def global_scale_of(amax_bits: jax.Array) -> jax.Array:
     """``g`` of a tensor whose largest magnitude has the float32 bits ``amax_bits`` (a scalar)."""
     amax = bits.from_bits(amax_bits)
-    g = jnp.maximum(bits.divide(amax, GLOBAL_DIVISOR), jnp.float32(MIN_GLOBAL_SCALE))
+    g = jnp.maximum(ieee_arithmetic.divide(amax, GLOBAL_DIVISOR), jnp.float32(MIN_GLOBAL_SCALE))
     return bits.where(amax_bits >= 0x7F800000, jnp.nan, g)
 
 
@@ -90,7 +90,7 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
     s = bits.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
     # s >= 2^-6 is never an E4M3 subnormal: only subnormals would be rounded by `round` (which
     # Pallas' Triton lowering lacks)
-    scale_codes = bits.encode_fp8(s, mbits=3, emin=-6, on_grid=True)
+    scale_codes = minifloat_codec.encode_fp8(s, mbits=3, emin=-6, on_grid=True)
     s = block_scales(scale_codes)
     scaled = scaled_elements(xb, s, g)
     values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
@@ -100,23 +100,23 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
 def block_scales(scale: jax.Array) -> jax.Array:
     """float32 values of E4M3 block scales (``float8_e4m3fn`` or their ``uint8`` bytes),
     exactly; NaN for the NaN code."""
-    return bits.decode_fp8(bits.as_bytes(scale), mbits=3, emin=-6, ieee_specials=False)
+    return minifloat_codec.decode_fp8(wire.as_bytes(scale), mbits=3, emin=-6, ieee_specials=False)
 
 
 def scaled_elements(xb: jax.Array, s: jax.Array, g: jax.Array) -> jax.Array:
     """``x * r`` with ``r = min((1 / g) / s, float32 max)``: the elements of blocks ``xb`` in
     units of their block's scale, before rounding and clipping (float32 block scales ``s``
     broadcast against ``xb``)."""
-    r = jnp.minimum(bits.divide(bits.divide(1.0, g), s), _FLOAT32_MAX)
+    r = jnp.minimum(ieee_arithmetic.divide(ieee_arithmetic.divide(1.0, g), s), _FLOAT32_MAX)
     # where r >= 2^64, as (x * 2^64) * (r * 2^-64) so that a subnormal x is not flushed
     boost = bits.where(r >= 2.0**_BOOST, _BOOST, 0)
-    return bits.scale_by_pow2(xb, boost) * (r * bits.pow2(-boost))
+    return exponents.scale_by_pow2(xb, boost) * (r * exponents.pow2(-boost))
 
 
 def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     """``(amax / 6) / g`` in IEEE float32 for block maxima given by their bits."""
     amax = bits.from_bits(amax_bits)
-    sixth = bits.divide(amax, 6.0)
+    sixth = ieee_arithmetic.divide(amax, 6.0)
     # amax / 6 is subnormal below 6 * 2^-126: then amax * 2^149 is an integer n < 2^26, and the
     # quotient's bits are n / 6 rounded to nearest even
     exponent = amax_bits >> bits.MANTISSA_BITS
@@ -127,4 +127,4 @@ def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     sixth = bits.where(amax < 6.0 * 2.0**-126, bits.from_bits(q), sixth)
     # sixth / g, both scaled by 2^64 where sixth is subnormal (the quotient is unchanged)
     boost = bits.where(exponent <= 3, _BOOST, 0)  # covers every subnormal sixth
-    return bits.divide(bits.scale_by_pow2(sixth, boost), g * bits.pow2(boost))
+    return ieee_arithmetic.divide(exponents.scale_by_pow2(sixth, boost), g * exponents.pow2(boost))

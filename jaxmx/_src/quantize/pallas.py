@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, ieee_arithmetic, minifloat_codec, wire
 from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
@@ -71,8 +71,8 @@ quotients whose bytes must equal the XLA quantizer's."""
 
 
 def _rounded_divide(a, b):
-    """``a / b`` by :data:`_DIV_RN`, for :func:`jaxmx._src.core.bits.divide` in compiled kernels
-    (scalars as 1-element tensors: the inline assembly takes tensors)."""
+    """``a / b`` by :data:`_DIV_RN`, for :func:`jaxmx._src.core.ieee_arithmetic.divide` in
+    compiled kernels (scalars as 1-element tensors: the inline assembly takes tensors)."""
     shape = a.shape
     a, b = (v.reshape(v.shape or (1,)) for v in (a, b))
     out = jax.ShapeDtypeStruct(a.shape, jnp.float32)
@@ -82,13 +82,13 @@ def _rounded_divide(a, b):
 
 def _kernel(body, interpret: bool):
     """``body`` as a kernel: compiled for a GPU, its divisions are :func:`_rounded_divide`;
-    interpreted, they are XLA's (:func:`jaxmx._src.core.bits.divide`)."""
+    interpreted, they are XLA's (:func:`jaxmx._src.core.ieee_arithmetic.divide`)."""
     if interpret:
         return body
 
     @functools.wraps(body)
     def kernel(*refs):
-        with bits.division(_rounded_divide):
+        with ieee_arithmetic.division(_rounded_divide):
             body(*refs)
 
     return kernel
@@ -123,7 +123,7 @@ def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpre
 
     data, scale = jax.vmap(run)(view, noise)
     data, scale = data[:, : padded[1], : padded[2]], scale[:, :rows, :cols]
-    return _as_codes(data, f), bits.from_bytes(scale, f.scale_dtype), g
+    return _as_codes(data, f), wire.from_bytes(scale, f.scale_dtype), g
 
 
 def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool, interpret: bool):
@@ -142,7 +142,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
         pad_to_tiles(x), f, scale_mode, noise, swizzled, g, shape=(m, k), interpret=interpret
     )
     row_codes, col_codes = (_as_codes(c, f) for c in out[0:3:2])
-    row_scale, col_scale = (bits.from_bytes(s, f.scale_dtype) for s in out[1:4:2])
+    row_scale, col_scale = (wire.from_bytes(s, f.scale_dtype) for s in out[1:4:2])
     row = MXArray(row_codes[:m, : nb_k * f.block], row_scale[:m, :nb_k], f.name, 1, (m, k), None, g)
     col_t = MXArray(
         col_codes[:k, : nb_m * f.block], col_scale[:k, :nb_m], f.name, 1, (k, m), None, g
@@ -294,7 +294,7 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
     on_grid = to_grid(values, f)
     if f.byte_coded:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
-        codes = bits.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True, width=f.bits)
+        codes = minifloat_codec.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True, width=f.bits)
     else:  # on the grid: the cast is exact
         codes = encode(on_grid, f, on_grid=True)
     (t0, t1), (r, c) = v.shape, block
@@ -350,7 +350,7 @@ def _scale_dtype(f: Format):
 
 def _as_codes(data: jax.Array, f: Format) -> jax.Array:
     """The kernels' element output as ``f``'s dtype (fp8 codes come out as bytes)."""
-    return bits.from_bytes(data, f.dtype) if f.byte_coded else data
+    return wire.from_bytes(data, f.dtype) if f.byte_coded else data
 
 
 def _beyond_zeroed(scale, tile_index, limits):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, wire
 from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import FORMATS, get_format
 from jaxmx._src.core.mxarray import MXArray, checked, untiled
@@ -44,5 +44,5 @@ def as_mx(q: MXArray) -> MXArray:
     scale = jnp.repeat(q.scale, q.format.block // mx.block, axis=axis)
     scale = lax.slice_in_dim(scale, 0, scale_shape(q.shape, q.axis, mx.block)[q.axis], axis=axis)
     byte = (bits.to_bits(scale) >> bits.MANTISSA_BITS) & 0xFF  # 2^k -> k + 127; 2^-127 -> 0
-    e8m0 = bits.from_bytes(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
+    e8m0 = wire.from_bytes(byte.astype(jnp.uint8), jnp.float8_e8m0fnu)
     return MXArray(data, e8m0, mx.name, q.axis, q.shape)

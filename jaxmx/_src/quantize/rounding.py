@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.formats import Format
 
 
@@ -38,10 +38,10 @@ def round_stochastically(scaled, f: Format, noise):
     magnitude = jnp.abs(scaled)
     exponent = (bits.to_bits(magnitude) >> bits.MANTISSA_BITS) - bits.EXPONENT_BIAS
     quantum_exp = jnp.maximum(exponent, f.emin) - f.mbits
-    units = magnitude * bits.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
+    units = magnitude * exponents.pow2(-quantum_exp)  # exact: < 2^(mbits + 1)
     whole = jnp.floor(units)
     # up with probability frac(units); not floor(units + noise), whose float32 sum can round up
     # to the next integer and move an exactly representable value (p ~ 2^-21)
     up = (noise < units - whole).astype(jnp.float32)  # units - whole is exact
-    rounded = (whole + up) * bits.pow2(quantum_exp)
+    rounded = (whole + up) * exponents.pow2(quantum_exp)
     return bits.where(jnp.isfinite(scaled), jnp.copysign(rounded, scaled), scaled)

@@ -1,7 +1,8 @@
 """The scale rules of each scale kind: a block's scale from its absolute maximum, its elements in
-units of that scale, and the way back. One object per :class:`~jaxmx._src.core.formats.ScaleKind`
-(:data:`RULES`), so that the quantizers, the Pallas kernels, fake quantization, diagnostics and
-the emulation ask the format's kind instead of testing the format.
+units of that scale, and the way back. One object per
+:class:`~jaxmx._src.core.scale_kinds.ScaleKind` (:data:`RULES`), so that the quantizers, the Pallas
+kernels, fake quantization, diagnostics and the emulation ask the format's kind instead of testing
+the format.
 
 Example:
     >>> import jax.numpy as jnp
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, ieee_arithmetic
 from jaxmx._src.core.formats import Format
 from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.codec import scale_back, scale_exponent_bytes
@@ -44,7 +45,7 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
     magnitude_bits = x_bits & 0x7FFFFFFF  # integer order == float order (NaN above inf)
 
     def byte_of(amax_bits):
-        return bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
+        return exponents.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
 
     if xb.shape[3] == 1:
         # Blocks along the minor axis. The byte is a non-decreasing function of amax's bits in
@@ -55,8 +56,8 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
         byte = jnp.max(byte_of(magnitude_bits), axis=2)
     else:
         byte = byte_of(jnp.max(magnitude_bits, axis=2))
-    exponent = bits.where(byte == bits.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
-    scaled = bits.scale_by_pow2(xb, -exponent, axis=2)
+    exponent = bits.where(byte == exponents.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
+    scaled = exponents.scale_by_pow2(xb, -exponent, axis=2)
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
     return jnp.expand_dims(byte, 2), jnp.clip(scaled, -f.elem_max, f.elem_max)
@@ -69,10 +70,10 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
     amax = bits.from_bits(amax_bits)
     if scale_mode == "fp32":
-        scale = jnp.maximum(bits.divide(amax, f.elem_max), jnp.float32(2.0**-126))
+        scale = jnp.maximum(ieee_arithmetic.divide(amax, f.elem_max), jnp.float32(2.0**-126))
     else:  # pow2: the rceil exponent, k >= -127, exact
-        byte = bits.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
-        scale = bits.ldexp_exact(
+        byte = exponents.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, "rceil"))
+        scale = exponents.ldexp_exact(
             bits.filled_like(amax, 1.0, jnp.float32), byte - bits.EXPONENT_BIAS
         )
     exponent = amax_bits >> bits.MANTISSA_BITS
@@ -83,7 +84,9 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     # x / s as the quotient of normal floats: both scaled by 2^64 where s is tiny, so no
     # subnormal operand meets a flushing division (the quotient is unchanged)
     boost = bits.where(scale < 2.0**-60, 64, 0)
-    scaled = bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
+    scaled = ieee_arithmetic.divide(
+        exponents.scale_by_pow2(xb, boost), exponents.scale_by_pow2(scale, boost)
+    )
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
     return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
@@ -92,9 +95,9 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
 def _round_up(amax_bits, f: Format, scale_mode: str):
     """Whether the block exponent is one above floor(log2(amax)) - emax, per scale mode (a
     subnormal amax normalized where that can change the byte: emax 0, MXINT8; see
-    :func:`~jaxmx._src.core.bits.scale_bytes`)."""
+    :func:`~jaxmx._src.core.exponents.scale_bytes`)."""
     if f.emax < 1:
-        _, mantissa = bits.exponent_and_mantissa(amax_bits)
+        _, mantissa = exponents.exponent_and_mantissa(amax_bits)
     else:
         mantissa = amax_bits & bits.MANTISSA_MASK
     if scale_mode == "floor":
@@ -113,7 +116,7 @@ def _round_up(amax_bits, f: Format, scale_mode: str):
 
 
 class ScaleRule(abc.ABC):
-    """The rules every :class:`~jaxmx._src.core.formats.ScaleKind` answers (:data:`RULES`).
+    """The rules every :class:`~jaxmx._src.core.scale_kinds.ScaleKind` answers (:data:`RULES`).
     ``scaled``, ``decoded`` and ``units`` are each kind's own; the others default to float32
     scales stored as they are, no tensor scale, and no row-relative decode.
 
@@ -182,8 +185,8 @@ class _E8M0Rule(ScaleRule):
         """``xb`` in units of the given block scales (before rounding): ``x * 2^-e``, exact;
         NaN under the NaN scale."""
         byte = scale_exponent_bytes(scale)
-        units = bits.scale_by_pow2(xb, bits.EXPONENT_BIAS - jnp.minimum(byte, 254))
-        return bits.where(byte == bits.E8M0_NAN, jnp.nan, units)
+        units = exponents.scale_by_pow2(xb, bits.EXPONENT_BIAS - jnp.minimum(byte, 254))
+        return bits.where(byte == exponents.E8M0_NAN, jnp.nan, units)
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` (decoded elements times block scales) times the tensor scale, if the kind
@@ -198,8 +201,8 @@ class _E8M0Rule(ScaleRule):
         relative, row_max, nan = relative_exponents(scale, k)
         # 2^relative in two exact factors, so exponents below -126 give subnormals (not zero);
         # computed per block and only then expanded over the block's elements
-        high = jnp.expand_dims(bits.pow2(jnp.maximum(relative, -126)), k + 1)
-        low = jnp.expand_dims(bits.pow2(jnp.minimum(relative + 126, 0)), k + 1)
+        high = jnp.expand_dims(exponents.pow2(jnp.maximum(relative, -126)), k + 1)
+        low = jnp.expand_dims(exponents.pow2(jnp.minimum(relative + 126, 0)), k + 1)
         scaled = bits.where(jnp.expand_dims(nan, k + 1), jnp.nan, values * high * low)
         return scaled, row_max
 
@@ -216,7 +219,7 @@ def relative_exponents(scale: jax.Array, k: int) -> tuple[jax.Array, jax.Array, 
         [[[-3, 0, -130]], [3], [[False, False, True]]]
     """
     byte = scale_exponent_bytes(scale)
-    nan = byte == bits.E8M0_NAN
+    nan = byte == exponents.E8M0_NAN
     exponent = bits.where(nan, 0, byte) - bits.EXPONENT_BIAS
     # over K, per row (an empty K gives the smallest exponent)
     row_max = jnp.max(exponent, axis=k, keepdims=True, initial=-bits.EXPONENT_BIAS)
@@ -238,18 +241,20 @@ class _Float32Rule(ScaleRule):
 
         A subnormal scale (``2^-127`` under ``pow2``) is scaled up by ``2^64`` and the element
         down by as much (both exact: elements are zero or at least ``2^-16``), then
-        :func:`~jaxmx._src.core.bits.multiply_exact` rounds the product, subnormal or not; normal
-        products are the plain float32 product."""
+        :func:`~jaxmx._src.core.ieee_arithmetic.multiply_exact` rounds the product, subnormal or
+        not; normal products are the plain float32 product."""
         scale = jnp.broadcast_to(scale, values.shape)
         boost = bits.where((bits.to_bits(scale) & 0x7F800000) == 0, 64, 0)
-        return bits.multiply_exact(
-            bits.scale_by_pow2(values, -boost), bits.scale_by_pow2(scale, boost)
+        return ieee_arithmetic.multiply_exact(
+            exponents.scale_by_pow2(values, -boost), exponents.scale_by_pow2(scale, boost)
         )
 
     def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
         """``x / s`` as the quantizer divides (:func:`float32_scaled_blocks`)."""
         boost = bits.where(scale < 2.0**-60, 64, 0)
-        return bits.divide(bits.scale_by_pow2(xb, boost), bits.scale_by_pow2(scale, boost))
+        return ieee_arithmetic.divide(
+            exponents.scale_by_pow2(xb, boost), exponents.scale_by_pow2(scale, boost)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +273,7 @@ class _TensorScaledE4M3Rule(ScaleRule):
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` times ``g``, rounded as IEEE float32 (one ``g`` per leading vmap dim)."""
-        return bits.multiply_exact(out, g.reshape(g.shape + (1,) * (out.ndim - g.ndim)))
+        return ieee_arithmetic.multiply_exact(out, g.reshape(g.shape + (1,) * (out.ndim - g.ndim)))
 
     def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
         """``x * min((1 / g) / s, float32 max)`` as the quantizer scales
@@ -320,7 +325,7 @@ def current_scale(amax_bits, f: Format, scale_mode: str):
     floor_bits = int(floor.view(np.uint32))
     at_floor = np.float32(f.elem_max / AMAX_FLOOR)  # float64 quotient, rounded once
     large = amax_bits >= floor_bits
-    scale = bits.divide(f.elem_max, bits.where(large, amax, 1.0))
+    scale = ieee_arithmetic.divide(f.elem_max, bits.where(large, amax, 1.0))
     scale = bits.where(large, scale, at_floor)
     if scale_mode == "pow2":  # 2^floor(log2(scale)): the scale is normal, drop its mantissa
         scale = bits.from_bits(bits.to_bits(scale) & ~bits.MANTISSA_MASK)
@@ -341,7 +346,7 @@ class _CurrentRule(ScaleRule):
 
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
         """``values / scale`` rounded as IEEE float32 division (as torchao decodes)."""
-        return bits.divide(values, scale)
+        return ieee_arithmetic.divide(values, scale)
 
     def units(self, xb: jax.Array, scale: jax.Array, g=None) -> jax.Array:
         """``x * scale`` as the quantizer scales (:func:`current_scaled`)."""
@@ -355,7 +360,7 @@ RULES = {
     "float32_current": _CurrentRule(),
     "float32_pow2": _Float32Rule(),
 }
-"""The rules of each :class:`~jaxmx._src.core.formats.ScaleKind`, by its name."""
+"""The rules of each :class:`~jaxmx._src.core.scale_kinds.ScaleKind`, by its name."""
 
 
 def rule_of(f: Format) -> ScaleRule:

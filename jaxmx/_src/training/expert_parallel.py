@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_array, as_float_array
 from jaxmx._src.core.formats import get_format
@@ -174,7 +174,7 @@ def _received(fmt: str, codes: jax.Array, scales: jax.Array, d: int) -> MXArray:
     scales; the codes that pad the last block, zeros, are restored here."""
     f = get_format(fmt)
     codes = jnp.pad(codes, ((0, 0), (0, round_up(d, f.block) - d)))
-    data, scale = bits.from_wire(codes, f.dtype), bits.from_wire(scales, f.scale_dtype)
+    data, scale = wire.from_wire(codes, f.dtype), wire.from_wire(scales, f.scale_dtype)
     return MXArray(data, scale, fmt, 1, (codes.shape[0], d))
 
 
@@ -249,8 +249,8 @@ def _dispatch(recipe: Recipe, axis_name: str, send: jax.Array):
     the backward pass sends back in ``send``'s dtype."""
     q = quantize(send, recipe.fwd, axis=2, scale_mode=recipe.scale_mode)
     d = send.shape[2]  # the codes past it pad the last block: zeros, not sent
-    codes = lax.all_to_all(bits.to_wire(q.data[..., :d]), axis_name, 0, 0)
-    scales = lax.all_to_all(bits.to_wire(q.scale, all_bytes=True), axis_name, 0, 0)
+    codes = lax.all_to_all(wire.to_wire(q.data[..., :d]), axis_name, 0, 0)
+    scales = lax.all_to_all(wire.to_wire(q.scale, all_bytes=True), axis_name, 0, 0)
     return codes, scales, jnp.zeros_like(send)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.vma import vary_like
 from jaxmx._src.gemm import capabilities
 
@@ -81,7 +81,7 @@ def pad_rows(data, scale, multiple: int):
         widths = [(0, 0)] * (data.ndim - 2) + [(0, pad), (0, 0)]
         data = jnp.pad(data, widths)
         if scale.ndim == data.ndim:
-            scale = jnp.pad(bits.as_bytes(scale), widths)
+            scale = jnp.pad(wire.as_bytes(scale), widths)
     return data, scale, n
 
 

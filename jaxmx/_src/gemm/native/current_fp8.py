@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import bits, exponents, ieee_arithmetic, wire
 from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.kernels import Kernel
@@ -81,22 +81,22 @@ def tn_codes(q: MXArray) -> jax.Array:
     pad = -codes.shape[-1] % FP8_K_MULTIPLE
     if not pad:
         return codes
-    padded = jnp.pad(bits.as_bytes(codes), [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
-    return bits.from_bytes(padded, codes.dtype)
+    padded = jnp.pad(wire.as_bytes(codes), [(0, 0)] * (codes.ndim - 1) + [(0, pad)])
+    return wire.from_bytes(padded, codes.dtype)
 
 
 def _decode_factor(q: MXArray) -> jax.Array:
     """``1 / scale`` of a per-tensor ``q`` (float32, rounded once), shaped like its batch dims:
     the factor :func:`fp8_matmul` multiplies its codes by."""
     scale = q.scale.reshape(q.scale.shape[:-2])
-    return jnp.broadcast_to(bits.divide(1.0, scale), q.data.shape[:-2])
+    return jnp.broadcast_to(ieee_arithmetic.divide(1.0, scale), q.data.shape[:-2])
 
 
 def row_scaled(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
     """``acc[..., m, n] / (a_scale[..., m] * b_scale[..., n])`` in float32 for normal float32
     scales (NaN passes through): each scale split into its mantissa ``f`` in [1, 2) and its
     exponent ``e``, ``acc / (f_a * f_b)`` (two roundings), then ``2^-(e_a + e_b)`` applied with
-    one rounding (:func:`~jaxmx._src.core.bits.ldexp_rounded`), so no intermediate product
+    one rounding (:func:`~jaxmx._src.core.exponents.ldexp_rounded`), so no intermediate product
     overflows or underflows. Exact up to that rounding of ``acc`` for power-of-two scales.
 
     Example:
@@ -106,7 +106,7 @@ def row_scaled(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Ar
     """
     fa, ea = _mantissa_exponent(a_scale[..., :, None])
     fb, eb = _mantissa_exponent(b_scale[..., None, :])
-    return bits.ldexp_rounded(bits.divide(acc, fa * fb), -(ea + eb))
+    return exponents.ldexp_rounded(ieee_arithmetic.divide(acc, fa * fb), -(ea + eb))
 
 
 def _mantissa_exponent(s: jax.Array) -> tuple[jax.Array, jax.Array]:

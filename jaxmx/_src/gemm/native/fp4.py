@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -102,13 +102,13 @@ def _packed_codes(q: MXArray) -> jax.Array:
     nibbles = jnp.where(index < q.shape[-1], nibbles, jnp.uint8(0))
     pad = -nibbles.shape[-1] % FP4_K_MULTIPLE
     nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, pad)])
-    return bits.pack_nibbles(nibbles)
+    return wire.pack_nibbles(nibbles)
 
 
 def fp4_scales(q: MXArray) -> jax.Array:
     """uint8 [..., rows, Kp / block]: the compact scale bytes, K padded like the codes (the
     extra blocks get byte 0; their codes are zero)."""
-    scale = bits.as_bytes(q.scale, "scales", (jnp.dtype(jnp.uint8), q.format.scale_dtype))
+    scale = wire.as_bytes(q.scale, "scales", (jnp.dtype(jnp.uint8), q.format.scale_dtype))
     pad = -q.data.shape[-1] % FP4_K_MULTIPLE // q.format.block
     return jnp.pad(scale, [(0, 0)] * (scale.ndim - 1) + [(0, pad)])
 

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.formats import formats_of, get_format
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -125,7 +125,7 @@ def _k_first_operand(data, scale, row_multiple: int):
     (row of the operand, K-block) whatever the data layout (ffi/cublaslt_gemm.h).
     """
     pad = [(0, 0)] * (data.ndim - 1) + [(0, -data.shape[-1] % row_multiple)]
-    return jnp.pad(data, pad), jnp.pad(bits.as_bytes(scale), pad).swapaxes(-1, -2)
+    return jnp.pad(data, pad), jnp.pad(wire.as_bytes(scale), pad).swapaxes(-1, -2)
 
 
 MX_KERNEL = Kernel(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core import bits
+from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
 from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
@@ -114,6 +114,6 @@ def zero_padding(q: MXArray) -> jax.Array:
     k = q.shape[q.axis]
     if k == q.data.shape[q.data_axis]:
         return q.data
-    codes = bits.as_bytes(q.data)
+    codes = wire.as_bytes(q.data)
     index = lax.broadcasted_iota(jnp.int32, codes.shape, q.data_axis)
-    return bits.from_bytes(jnp.where(index < k, codes, 0).astype(jnp.uint8), q.data.dtype)
+    return wire.from_bytes(jnp.where(index < k, codes, 0).astype(jnp.uint8), q.data.dtype)

@@ -276,6 +276,14 @@ def _forward(static: Static, x, w, key, training: bool):
     return y, ((x_saved, w_saved), key)
 
 
+def _weight_layout(w_saved) -> jax.Array:
+    """An array of the weight's (padded) shape laid out like the weight, whose sharding dw
+    takes: the saved copy's codes (read from packed codes, whose block axis is shorter)."""
+    if isinstance(w_saved, MXBits) and get_format(w_saved.fmt).packing:
+        return mx_from_bits(w_saved).data
+    return jax.tree.leaves(w_saved)[0]
+
+
 def _mx_bmm_bwd(static: Static, residuals, g):
     r = static.recipe
     (x_saved, w_saved), key = residuals
@@ -302,7 +310,7 @@ def _mx_bmm_bwd(static: Static, residuals, g):
     g_col = Operand(x=_wgrad_input(g, r), fmt=r.grad, axis=-2, key=col_key)  # along M
     g_dgrad, g_wgrad = _gradient_copies(r, g_row, g_col)
     dx = gemm(r, g_dgrad, w_col, static.lhs_dtype)  # [B, M, K], reduces N
-    w_like = jax.tree.leaves(w_saved)[0]  # laid out like the weight: dw's sharding
+    w_like = _weight_layout(w_saved)
     if r.wgrad == "high_precision":
         dw = _high_precision_wgrad(g, x_col, static)
     elif static.rhs_k_first:

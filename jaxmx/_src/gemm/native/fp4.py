@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import wire
+from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.formats import formats_of
 from jaxmx._src.core.mxarray import MXArray, untiled
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -77,7 +78,7 @@ def _fp4_operands(a: MXArray, b: MXArray):
     """The FP4 custom call's operands of checked ``a`` and ``b``: packed codes, compact scale
     bytes and tensor scales. Jitted, so that an eager call runs one compiled program."""
     a, b = untiled(a), untiled(b)
-    batch = a.data.shape[:-2]
+    batch = a.held.shape[:-2]
     return (
         _packed_codes(a),
         _packed_codes(b),
@@ -95,21 +96,24 @@ def _packed_codes(q: MXArray) -> jax.Array:
 
     That is CUDA's ``__nv_fp4x2`` storage, which cuBLASLt reads for ``CUDA_R_4F_E2M1``
     (cuda_fp4.hpp, ``__nv_cvt_double2_to_fp4x2``: ``.x`` in bits 0-3, ``.y`` in bits 4-7; the
-    CUDALibrarySamples cuBLASLt LtNvfp4Matmul sample passes such arrays as A and B).
+    CUDALibrarySamples cuBLASLt LtNvfp4Matmul sample passes such arrays as A and B), and the
+    form ``q`` holds its codes in along K (:mod:`jaxmx._src.core.packing`): only the padding
+    nibbles are cleared.
     """
-    nibbles = lax.bitcast_convert_type(q.data, jnp.uint4).astype(jnp.uint8)
-    index = lax.broadcasted_iota(jnp.int32, nibbles.shape, nibbles.ndim - 1)
-    nibbles = jnp.where(index < q.shape[-1], nibbles, jnp.uint8(0))
-    pad = -nibbles.shape[-1] % FP4_K_MULTIPLE
-    nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, pad)])
-    return wire.pack_nibbles(nibbles)
+    held = q.held
+    first = 2 * lax.broadcasted_iota(jnp.int32, held.shape, held.ndim - 1)  # code 2i's index
+    low = jnp.where(first < q.shape[-1], held & jnp.uint8(0x0F), jnp.uint8(0))
+    high = jnp.where(first + 1 < q.shape[-1], held & jnp.uint8(0xF0), jnp.uint8(0))
+    pad = -(2 * held.shape[-1]) % FP4_K_MULTIPLE // 2
+    return jnp.pad(low | high, [(0, 0)] * (held.ndim - 1) + [(0, pad)])
 
 
 def fp4_scales(q: MXArray) -> jax.Array:
     """uint8 [..., rows, Kp / block]: the compact scale bytes, K padded like the codes (the
     extra blocks get byte 0; their codes are zero)."""
     scale = wire.as_bytes(q.scale, "scales", (jnp.dtype(jnp.uint8), q.format.scale_dtype))
-    pad = -q.data.shape[-1] % FP4_K_MULTIPLE // q.format.block
+    k = padded_shape(q.shape, q.axis, q.format.block, q.tile)[-1]  # the codes' last dim
+    pad = -k % FP4_K_MULTIPLE // q.format.block
     return jnp.pad(scale, [(0, 0)] * (scale.ndim - 1) + [(0, pad)])
 
 

@@ -129,6 +129,7 @@ def test_eight_bit_remat_needs_less_temp_than_bf16_dots_saveable(temps):
 HOLDS = [
     *[(r, "unrolled", m) for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE") for m in ("cast", "f32")],
     ("FP8_ROWWISE", "unrolled", "f32"),
+    *[("NVFP4", "unrolled", m) for m in ("cast", "f32")],
     *[
         (r, "scan", "cast")
         for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "DEEPSEEK_FP8", "NVFP4")

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 
 from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.formats import Format
+from jaxmx._src.quantize.draws import uniform_draws
 
 
 def uniform_noise(key, shape) -> jax.Array | None:
     """The uniform [0, 1) draws of stochastic rounding for blocked elements of ``shape``
-    (:func:`~jaxmx._src.core.blocks.blocked`'s layout), or None without a key."""
-    return None if key is None else jax.random.uniform(key, shape, jnp.float32)
+    (:func:`~jaxmx._src.core.blocks.blocked`'s layout; :mod:`draws`), or None without a key."""
+    return None if key is None else uniform_draws(key, shape)
 
 
 def rounding(f: Format, noise):

@@ -1,0 +1,103 @@
+"""The uniform draws of stochastic rounding: a keyed hash of each element's position.
+
+Each draw is a pure function of the key and the element's index, computed elementwise, so
+XLA fuses it into the rounding that reads it and no buffer of random bits is ever held (a
+threefry draw of ``jax.random.uniform`` is computed in unfused ``uint32`` buffers of the
+rounded tensor's size on XLA:CPU: a training step rounding its gradients that way needed
+twice the temporary memory). The draws are not cryptographic; rounding needs uniform,
+independent-looking bits, which the mixer gives.
+
+The recipe (``tests/test_draws.py`` reproduces it in numpy):
+
+- ``mix`` is the 32-bit integer finalizer ``x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15;
+  x *= 0x846CA68B; x ^= x >> 16`` (a bijection of ``uint32``; constants from C. Wellons'
+  hash-prospector, "lowbias32").
+- The seed folds the key's ``uint32`` words in order: ``s = 0x9E3779B9``, then
+  ``s = mix(s ^ w)`` for each word ``w``.
+- The shape's axes are split, from the last, into groups whose element count stays below
+  ``2^32`` (one group for any tensor below four billion elements); ``h = s``, then for each
+  group from the first ``h = mix(h ^ mix(flat index within the group + 0x85EBCA6B * k))``,
+  ``k`` the group's number.
+- The draw is ``(h >> 8) * 2^-24``: a multiple of ``2^-24`` in ``[0, 1)``.
+
+Example:
+    >>> import jax
+    >>> u = uniform_draws(jax.random.key(0), (4, 1024))
+    >>> u.dtype, bool((u >= 0).all() & (u < 1).all()), round(float(u.mean()), 1)
+    (dtype('float32'), True, 0.5)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_GOLDEN = 0x9E3779B9
+_GROUP_STEP = 0x85EBCA6B
+_WORD = 2**32  # uint32 arithmetic wraps here
+_INDEX_LIMIT = _WORD  # a group of axes holds fewer elements than this
+
+
+def mix(x: jax.Array) -> jax.Array:
+    """The 32-bit finalizer (a bijection of ``uint32``) that every draw is made of."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _key_words(key) -> jax.Array:
+    """The key's ``uint32`` words (a typed key's data, or a legacy ``uint32[2]`` key)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    return jnp.asarray(key, jnp.uint32).reshape(-1)
+
+
+def _seed(key) -> jax.Array:
+    seed = jnp.uint32(_GOLDEN)
+    words = _key_words(key)
+    for i in range(words.shape[0]):
+        seed = mix(seed ^ words[i])
+    return seed
+
+
+def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The axes in groups, from the last, each with fewer than ``2^32`` elements in all."""
+    groups: list[list[int]] = []
+    count = _INDEX_LIMIT
+    for axis in reversed(range(len(shape))):
+        if count * shape[axis] >= _INDEX_LIMIT:
+            groups.insert(0, [])
+            count = 1
+        groups[0].insert(0, axis)
+        count *= shape[axis]
+    return [tuple(g) for g in groups]
+
+
+def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    index = jnp.zeros((), jnp.uint32)
+    stride = 1
+    for axis in reversed(axes):
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride *= shape[axis]
+    return index
+
+
+def uniform_draws(key, shape: tuple[int, ...]) -> jax.Array:
+    """Float32 draws in ``[0, 1)`` (multiples of ``2^-24``), one per element of ``shape``,
+    from ``key`` (a typed PRNG key or a legacy ``uint32[2]`` one); the module docstring
+    gives the recipe."""
+    shape = tuple(int(d) for d in shape)
+    if any(d >= _WORD for d in shape):
+        raise ValueError(f"stochastic rounding: an axis of {shape} has 2^32 or more elements")
+    if math.prod(shape) == 0:
+        return jnp.zeros(shape, jnp.float32)
+    h = jnp.broadcast_to(_seed(key), shape)
+    for k, axes in enumerate(_axis_groups(shape)):
+        index = _flat_index(shape, axes) + jnp.uint32((_GROUP_STEP * k) % _WORD)
+        h = mix(h ^ mix(index))
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

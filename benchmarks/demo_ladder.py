@@ -15,8 +15,9 @@ import argparse
 import dataclasses
 import json
 
+from jaxmx.demo.config import KEEP_LAST, RECIPES, Config
 from jaxmx.demo.report import relative_gap
-from jaxmx.demo.train import KEEP_LAST, RECIPES, Config, benchmark, get_recipe, train
+from jaxmx.demo.train import benchmark, get_recipe, train
 
 
 def row(name: str, run, baseline) -> str:

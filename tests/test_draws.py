@@ -17,6 +17,12 @@ from jaxmx._src.quantize import draws
 
 
 def _mix(x):
+    x = np.asarray(x, np.uint32)  # uint32 arithmetic, wrapping (0-d arrays included)
+    with np.errstate(over="ignore"):
+        return _mix_wrapping(x)
+
+
+def _mix_wrapping(x):
     x = x ^ (x >> np.uint32(16))
     x = x * np.uint32(0x7FEB352D)
     x = x ^ (x >> np.uint32(15))
@@ -37,12 +43,12 @@ def _reference(words, shape, limit=2**32):
         count *= shape[axis]
     grids = np.indices(shape, dtype=np.uint64)
     h = np.full(shape, seed[0], np.uint32)
-    for k, axes in enumerate(groups):
+    for axes in groups:
         flat = np.zeros(shape, np.uint64)
         for axis in axes:
             flat = flat * np.uint64(shape[axis]) + grids[axis]
-        index = ((flat + np.uint64(0x85EBCA6B * k)) % np.uint64(2**32)).astype(np.uint32)
-        h = _mix(h ^ _mix(index))
+        h = _mix(h ^ flat.astype(np.uint32))
+    h = _mix(h + seed[0])
     return (h >> np.uint32(8)).astype(np.float64) * 2.0**-24
 
 

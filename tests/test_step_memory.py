@@ -128,7 +128,7 @@ def test_eight_bit_remat_needs_less_temp_than_bf16_dots_saveable(temps):
 # (docs/benchmarks.md, "Training-step memory", lists every setup, these and the others).
 HOLDS = [
     *[(r, "unrolled", m) for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE") for m in ("cast", "f32")],
-    ("FP8_ROWWISE", "unrolled", "f32"),
+    *[("FP8_ROWWISE", "unrolled", m) for m in ("cast", "f32")],
     *[("NVFP4", "unrolled", m) for m in ("cast", "f32")],
     *[
         (r, "scan", "cast")

@@ -69,13 +69,28 @@ def tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     """``x [..., R, C]`` zero-padded to whole tiles and viewed as ``[outer, n_tiles, rows * cols,
     1]`` (tiles in row-major order, each tile's elements row-major)."""
     rows, cols = tile
-    r, c = x.shape[-2:]
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, round_up(r, rows) - r), (0, round_up(c, cols) - c)]
-    x = jnp.pad(x, pad) if any(p for _, p in pad) else x
+    x = padded_to_tiles(x, tile)
     r, c = x.shape[-2:]
     outer = math.prod(x.shape[:-2])  # not -1: an empty x leaves it ambiguous
     x = x.reshape(outer, r // rows, rows, c // cols, cols).transpose(0, 1, 3, 2, 4)
     return x.reshape(outer, (r // rows) * (c // cols), rows * cols, 1)
+
+
+def padded_to_tiles(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``x [..., R, C]`` zero-padded to whole tiles."""
+    rows, cols = tile
+    r, c = x.shape[-2:]
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, round_up(r, rows) - r), (0, round_up(c, cols) - c)]
+    return jnp.pad(x, pad) if any(p for _, p in pad) else x
+
+
+def tile_view(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``x [..., R, C]`` zero-padded to whole tiles and viewed as ``[outer, R / rows, rows,
+    C / cols, cols]``: a reshape, no transpose; a tile's scale broadcasts over axes 2 and 4."""
+    rows, cols = tile
+    x = padded_to_tiles(x, tile)
+    r, c = x.shape[-2:]
+    return x.reshape(math.prod(x.shape[:-2]), r // rows, rows, c // cols, cols)
 
 
 def untile(t: jax.Array, shape: tuple[int, ...], tile: tuple[int, int]) -> jax.Array:

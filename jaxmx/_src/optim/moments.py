@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxmx._src.core.block_sharding import BlockShardingError, shards
+from jaxmx._src.core.reductions import max_along
 from jaxmx._src.optim import code_maps
 
 MOMENT_FORMATS = ("float32", "bfloat16", "8bit", "fp8", "4bit")
@@ -231,7 +232,7 @@ def encode(x: jax.Array, like: Moment) -> Moment:
         return dataclasses.replace(like, values=x.astype(like.values.dtype))
     lead = like.shape[: like.axis]
     blocks = x.reshape((*lead, -1, like.block))
-    absmax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), MIN_SCALE)
+    absmax = jnp.maximum(max_along(jnp.abs(blocks), -1), MIN_SCALE)
     scales = divide(absmax, jnp.float32(FP8_MAX)) if like.format == "fp8" else absmax
     scaled = divide(blocks, scales[..., None])
     if like.format == "fp8":

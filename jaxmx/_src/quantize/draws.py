@@ -16,9 +16,13 @@ The recipe (``tests/test_draws.py`` reproduces it in numpy):
   ``s = mix(s ^ w)`` for each word ``w``.
 - The shape's axes are split, from the last, into groups whose element count stays below
   ``2^32`` (one group for any tensor below four billion elements); ``h = s``, then for each
-  group from the first ``h = mix(h ^ mix(flat index within the group + 0x85EBCA6B * k))``,
-  ``k`` the group's number.
+  group from the first ``h = mix(h ^ i)``, ``i`` the element's flat (row-major) index within
+  the group; then ``h = mix(h + s)``.
 - The draw is ``(h >> 8) * 2^-24``: a multiple of ``2^-24`` in ``[0, 1)``.
+
+The index enters only through ``iota`` and ``reshape`` before it meets the key: no arithmetic
+on constants is left for XLA to fold at compile time (a fixed key is still an argument of the
+compiled step).
 
 Example:
     >>> import jax
@@ -36,7 +40,6 @@ import jax.numpy as jnp
 from jax import lax
 
 _GOLDEN = 0x9E3779B9
-_GROUP_STEP = 0x85EBCA6B
 _WORD = 2**32  # uint32 arithmetic wraps here
 _INDEX_LIMIT = _WORD  # a group of axes holds fewer elements than this
 
@@ -79,12 +82,11 @@ def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
-    index = jnp.zeros((), jnp.uint32)
-    stride = 1
-    for axis in reversed(axes):
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
-        stride *= shape[axis]
-    return index
+    """Each element's row-major index within ``axes`` (consecutive), broadcast to ``shape``:
+    an ``iota`` reshaped, no arithmetic."""
+    group = tuple(shape[a] for a in axes)
+    index = lax.iota(jnp.uint32, math.prod(group)).reshape(group)
+    return lax.broadcast_in_dim(index, shape, axes)
 
 
 def uniform_draws(key, shape: tuple[int, ...]) -> jax.Array:
@@ -96,8 +98,9 @@ def uniform_draws(key, shape: tuple[int, ...]) -> jax.Array:
         raise ValueError(f"stochastic rounding: an axis of {shape} has 2^32 or more elements")
     if math.prod(shape) == 0:
         return jnp.zeros(shape, jnp.float32)
-    h = jnp.broadcast_to(_seed(key), shape)
-    for k, axes in enumerate(_axis_groups(shape)):
-        index = _flat_index(shape, axes) + jnp.uint32((_GROUP_STEP * k) % _WORD)
-        h = mix(h ^ mix(index))
+    seed = _seed(key)
+    h = jnp.broadcast_to(seed, shape)
+    for axes in _axis_groups(shape):
+        h = mix(h ^ _flat_index(shape, axes))
+    h = mix(h + seed)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

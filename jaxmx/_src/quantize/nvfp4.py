@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxmx._src.core import bits, exponents, ieee_arithmetic, minifloat_codec, wire
 from jaxmx._src.core.formats import Format
+from jaxmx._src.core.reductions import max_along
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 2.0**-6
@@ -51,7 +52,7 @@ def global_scale_of(amax_bits: jax.Array) -> jax.Array:
 def tensor_scale(x: jax.Array) -> jax.Array:
     """The tensor scale ``g`` of ``x`` (:func:`global_scale_of` of its largest magnitude), as
     the quantizer computes it."""
-    amax_bits = jnp.max(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, initial=0)
+    amax_bits = max_along(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, tuple(range(x.ndim)))
     return global_scale_of(amax_bits)
 
 
@@ -76,13 +77,13 @@ def checked_global_scale(g, f: Format) -> jax.Array | None:
     return jnp.maximum(g.astype(jnp.float32), jnp.float32(MIN_GLOBAL_SCALE))
 
 
-def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values):
+def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values, block_axes=(2,)):
     """``(E4M3 scale bytes [outer, n_blocks, 1, inner] uint8, elements, g)``: the elements of
     the quantizer before their cast to E2M1 (in units of their block scale, clipped
     to ``±6``, zero in a block whose scale is NaN; not yet rounded unless ``round_values``
-    rounds them)."""
+    rounds them). ``block_axes``: the axes a block spans (``(2, 4)``: tiles in their place)."""
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
-    block_amax_bits = jnp.max(magnitude_bits, axis=2, keepdims=True)
+    block_amax_bits = max_along(magnitude_bits, block_axes, keepdims=True)
     if g is None:
         g = global_scale_of(jnp.max(block_amax_bits, initial=0))  # an empty x: as all-zero
     b = _block_ratio(block_amax_bits, g)

@@ -48,6 +48,7 @@ from jaxmx._src.core import bits, ieee_arithmetic, minifloat_codec, wire
 from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.reductions import in_one_step
 from jaxmx._src.core.sizes import ceil_div
 from jaxmx._src.core.swizzle import COL_TILE, ROW_TILE
 from jaxmx._src.core.vma import vary_like
@@ -290,7 +291,8 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
     xb = _as_blocks(bits.upcast_exact(v), block)
     draws = None if noise is None else _as_blocks(noise, block)
     g = None if g is None else g.reshape(())
-    scale, values, _ = rule_of(f).scaled(xb, f, scale_mode, draws, g)
+    with in_one_step():  # Triton lowers no optimization_barrier
+        scale, values, _ = rule_of(f).scaled(xb, f, scale_mode, draws, g)
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
     on_grid = to_grid(values, f)
     if f.byte_coded:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some

@@ -27,8 +27,7 @@ from jaxmx._src.core.blocks import (
     blocked_shape,
     format_scale_shape,
     padded_shape,
-    tiles,
-    untile,
+    tile_view,
 )
 from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
@@ -140,20 +139,30 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
     def xla(x):
         if tile is None:
             xb = blocked(x, axis, block)  # [outer, n_blocks, block, inner], float32
-        else:
-            xb = tiles(bits.upcast_exact(x), tile)  # [outer, n_tiles, rows * cols, 1]
+            noise, block_axes = uniform_noise(key, xb.shape), (2,)
+        else:  # tiles in their place, [outer, R, rows, C, cols]: no transposed copy of x
+            xb = bits.upcast_exact(tile_view(x, tile))
+            noise, block_axes = _tile_noise(key, xb.shape), (2, 4)
         rule = rule_of(f)
-        codes, values, g = rule.scaled(
-            xb, f, scale_mode, uniform_noise(key, xb.shape), global_scale
-        )
-        data = encode(values, f)
-        return shaped(untile(data, padded, tile) if tile else data, rule.scales(codes), g)
+        codes, values, g = rule.scaled(xb, f, scale_mode, noise, global_scale, block_axes)
+        return shaped(encode(values, f), rule.scales(codes), g)
 
     def kernels(x, interpret):
         settings = dict(f=f, axis=axis, scale_mode=scale_mode, key=key, tile=tile)
         return shaped(*pallas.quantize(x, **settings, g=global_scale, interpret=interpret))
 
     return dispatch(impl, xla, kernels, x)
+
+
+def _tile_noise(key, view_shape: tuple[int, ...]) -> jax.Array | None:
+    """Stochastic rounding's draws for tiles in their place (:func:`tile_view`'s
+    ``[outer, R, rows, C, cols]``), drawn in whole-tile order (:func:`tiles`'s layout, as the
+    Pallas kernels draw them) and laid out in place."""
+    if key is None:
+        return None
+    outer, r, rows, c, cols = view_shape
+    draws = uniform_noise(key, (outer, r * c, rows * cols, 1))
+    return draws.reshape(outer, r, c, rows, cols).transpose(0, 1, 3, 2, 4)
 
 
 def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | None:
@@ -215,12 +224,11 @@ def _dequantized(q: MXArray, *, dtype) -> jax.Array:
         values = values.reshape(blocked_shape(q.data.shape, q.data_axis, block))
         scale = _scales_per_block(q)
         scale = scale.reshape(blocked_shape(scale.shape, q.data_axis, 1))
-    else:
-        values = tiles(values, q.tile)
-        scale = q.scale.reshape(values.shape[0], values.shape[1], 1, 1)
+    else:  # each element times its tile's scale in place (no transpose to whole tiles)
+        values = tile_view(values, q.tile)
+        scale = q.scale.reshape(values.shape[0], values.shape[1], 1, values.shape[3], 1)
     rule = rule_of(f)
-    out = rule.decoded(values, scale)  # times the block scales
-    out = untile(out, q.data.shape, q.tile) if q.tile else out.reshape(q.data.shape)
+    out = rule.decoded(values, scale).reshape(q.data.shape)  # times the block scales
     out = rule.with_tensor_scale(out, q.global_scale)
     for i, n in enumerate(q.shape[-2:] if q.tile else (q.shape[q.axis],)):
         axis = out.ndim - 2 + i if q.tile else q.data_axis

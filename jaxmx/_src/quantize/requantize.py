@@ -97,7 +97,7 @@ def _requantized(x: jax.Array, like: MXArray, fresh: MXArray):
         def back(a, shape):
             return a.reshape(shape)
     else:
-        xb = tiles(bits.upcast_exact(x), like.tile)
+        xb = bits.upcast_exact(tiles(x, like.tile))
 
         def as_blocks(a, block):
             return tiles(a, like.tile) if block > 1 else a.reshape(*xb.shape[:2], 1, 1)

@@ -28,15 +28,18 @@ from jax import lax
 
 from jaxmx._src.core import bits, exponents, ieee_arithmetic
 from jaxmx._src.core.formats import Format
+from jaxmx._src.core.reductions import max_along
 from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.codec import scale_back, scale_exponent_bytes
 from jaxmx._src.quantize.rounding import round_stochastically, rounding
 
 
-def scaled_blocks(xb, f: Format, scale_mode: str, noise):
+def scaled_blocks(xb, f: Format, scale_mode: str, noise, block_axes=(2,)):
     """(E8M0 bytes [outer, n_blocks, 1, inner] int32, elements divided by their scale and clamped
     to ``±elem_max``) of ``xb`` = :func:`blocked`'s output; with ``noise`` (uniform [0, 1)
     draws shaped like ``xb``, see :func:`uniform_noise`) the elements are rounded stochastically.
+    ``block_axes``: the axes a block spans, ``(2, 4)`` for 2-D tiles in their place
+    (:func:`~jaxmx._src.core.blocks.tile_view`; the bytes then keep both axes, as size 1).
 
     The elements are not yet rounded to the element grid (unless ``noise`` rounded them): the
     quantizer encodes them (round to nearest even), the fake quantizer rounds them in float32.
@@ -47,27 +50,36 @@ def scaled_blocks(xb, f: Format, scale_mode: str, noise):
     def byte_of(amax_bits):
         return exponents.scale_bytes(amax_bits, f.emax, _round_up(amax_bits, f, scale_mode))
 
+    if block_axes != (2,):
+        byte = byte_of(max_along(magnitude_bits, block_axes, keepdims=True))
+        exponent = bits.where(byte == exponents.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
+        return byte, _clipped(exponents.scale_by_pow2(xb, -exponent), f, noise)
     if xb.shape[3] == 1:
         # Blocks along the minor axis. The byte is a non-decreasing function of amax's bits in
         # every mode, so the block maximum of the per-element bytes IS the byte of the block's
         # amax. Reducing the bytes makes the reduction output the final per-block value, and the
         # element fusion no longer recomputes the scale rule for each of its elements: ~20%
         # faster on XLA:CPU, identical bytes. (For blocks along another axis it is slower.)
-        byte = jnp.max(byte_of(magnitude_bits), axis=2)
+        byte = max_along(byte_of(magnitude_bits), 2)
     else:
-        byte = byte_of(jnp.max(magnitude_bits, axis=2))
+        byte = byte_of(max_along(magnitude_bits, 2))
     exponent = bits.where(byte == exponents.E8M0_NAN, 128, byte - bits.EXPONENT_BIAS)
     scaled = exponents.scale_by_pow2(xb, -exponent, axis=2)
+    return jnp.expand_dims(byte, 2), _clipped(scaled, f, noise)
+
+
+def _clipped(scaled, f: Format, noise):
+    """``scaled`` rounded stochastically with ``noise`` (if any), clipped to ``±elem_max``."""
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
-    return jnp.expand_dims(byte, 2), jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return jnp.clip(scaled, -f.elem_max, f.elem_max)
 
 
-def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
+def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise, block_axes=(2,)):
     """Block FP8: (float32 scales [outer, n_blocks, 1, inner] (:data:`jaxmx.BLOCK_SCALE_MODES`),
     elements ``x / s`` clipped to ``±elem_max``), as :func:`scaled_blocks` for the MX formats:
     the codes are ``encode(x / s)``."""
-    amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=2, keepdims=True)
+    amax_bits = max_along(bits.to_bits(xb) & 0x7FFFFFFF, block_axes, keepdims=True)
     amax = bits.from_bits(amax_bits)
     if scale_mode == "fp32":
         scale = jnp.maximum(ieee_arithmetic.divide(amax, f.elem_max), jnp.float32(2.0**-126))
@@ -87,9 +99,7 @@ def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise):
     scaled = ieee_arithmetic.divide(
         exponents.scale_by_pow2(xb, boost), exponents.scale_by_pow2(scale, boost)
     )
-    if noise is not None:
-        scaled = round_stochastically(scaled, f, noise)
-    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return scale, _clipped(scaled, f, noise)
 
 
 def _round_up(amax_bits, f: Format, scale_mode: str):
@@ -132,10 +142,12 @@ class ScaleRule(abc.ABC):
     decode: ClassVar[str] = "code * s"
 
     @abc.abstractmethod
-    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None, block_axes=(2,)):
         """``(scale codes, elements in units of their scale and clipped, tensor scale or None)``
         of blocks ``xb`` (:func:`~jaxmx._src.core.blocks.blocked`), rounded stochastically
-        with ``noise``."""
+        with ``noise``. ``block_axes``: the axes a block spans, ``(2, 4)`` for 2-D tiles in
+        their place (:func:`~jaxmx._src.core.blocks.tile_view`; the scale codes keep both
+        axes, as size 1), for the kinds that take tiles."""
 
     @abc.abstractmethod
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
@@ -166,11 +178,11 @@ class ScaleRule(abc.ABC):
 class _E8M0Rule(ScaleRule):
     """The OCP MX scales: E8M0 powers of two, chosen by :data:`jaxmx.SCALE_MODES`."""
 
-    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None, block_axes=(2,)):
         """``(scale codes [outer, n_blocks, 1, inner] uint8, elements in units of their scale
         and clipped, None)`` of blocks ``xb`` (:func:`~jaxmx._src.core.blocks.blocked`), rounded
         stochastically with ``noise`` (else left to the encoder's round to nearest even)."""
-        byte, values = scaled_blocks(xb, f, scale_mode, noise)
+        byte, values = scaled_blocks(xb, f, scale_mode, noise, block_axes)
         return byte.astype(jnp.uint8), values, None
 
     def scales(self, codes: jax.Array) -> jax.Array:
@@ -232,8 +244,8 @@ class _Float32Rule(ScaleRule):
 
     described: ClassVar[str] = "float32 block scales"
 
-    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
-        scale, values = float32_scaled_blocks(xb, f, scale_mode, noise)
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None, block_axes=(2,)):
+        scale, values = float32_scaled_blocks(xb, f, scale_mode, noise, block_axes)
         return scale, values, None
 
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
@@ -262,8 +274,8 @@ class _TensorScaledE4M3Rule(ScaleRule):
     """NVFP4's E4M3 block scales under a float32 tensor scale ``g``
     (:mod:`jaxmx._src.quantize.nvfp4`); ``g=None`` computes it from the blocks."""
 
-    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
-        return nvfp4.scaled_blocks(xb, f, g, rounding(f, noise))
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None, block_axes=(2,)):
+        return nvfp4.scaled_blocks(xb, f, g, rounding(f, noise), block_axes)
 
     def scales(self, codes: jax.Array) -> jax.Array:
         return lax.bitcast_convert_type(codes, jnp.float8_e4m3fn)
@@ -308,7 +320,7 @@ def current_scaled(xb, f: Format, scale_mode: str, noise):
     need no subnormal care beyond XLA's.
     """
     reduced = (2,) if f.span == "row" else (0, 1, 2, 3)
-    amax_bits = jnp.max(bits.to_bits(xb) & 0x7FFFFFFF, axis=reduced, keepdims=True)
+    amax_bits = max_along(bits.to_bits(xb) & 0x7FFFFFFF, reduced, keepdims=True)
     scale = current_scale(amax_bits, f, scale_mode)
     scaled = xb * scale
     if noise is not None:
@@ -340,7 +352,9 @@ class _CurrentRule(ScaleRule):
     described: ClassVar[str] = "per-tensor and per-row float32 scales"
     decode: ClassVar[str] = "code / scale"
 
-    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None):
+    def scaled(self, xb, f: Format, scale_mode: str, noise=None, g=None, block_axes=(2,)):
+        if block_axes != (2,):  # the quantizer refuses tiles for these formats first
+            raise ValueError(f"{f.name} has one scale per row or tensor: no 2-D tiles")
         scale, values = current_scaled(xb, f, scale_mode, noise)
         return scale, values, None
 

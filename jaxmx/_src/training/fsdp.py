@@ -43,6 +43,7 @@ from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray, along, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
+from jaxmx._src.core.reductions import max_along
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.gathered import all_gathered
 from jaxmx._src.quantize.codec import encode
@@ -311,7 +312,7 @@ def _current_copy(x, fmt: str, scale_mode: str, axis_name: str, *, axis: int) ->
     (where ``x`` varies over it): every shard's codes use the scale of the whole tensor."""
     f = get_format(fmt)
     x32 = bits.upcast_exact(x)
-    amax_bits = jnp.max(bits.to_bits(x32) & 0x7FFFFFFF)
+    amax_bits = max_along(bits.to_bits(x32) & 0x7FFFFFFF, tuple(range(x.ndim)))
     if axis_name in varying_axes(x):
         amax_bits = lax.pmax(amax_bits, axis_name)
     scale = current_scale(amax_bits, f, scale_mode)

@@ -85,7 +85,7 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values, b
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
     block_amax_bits = max_along(magnitude_bits, block_axes, keepdims=True)
     if g is None:
-        g = global_scale_of(jnp.max(block_amax_bits, initial=0))  # an empty x: as all-zero
+        g = global_scale_of(max_along(block_amax_bits, tuple(range(xb.ndim))))  # empty x: 0
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
     s = bits.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))

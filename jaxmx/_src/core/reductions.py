@@ -16,7 +16,7 @@ Example:
     >>> import jax.numpy as jnp
     >>> from jaxmx._src.core.reductions import max_along
     >>> x = jnp.arange(2 * 100).reshape(2, 100)
-    >>> max_along(x, 1).tolist(), max_along(x, (0, 1), keepdims=True).tolist()
+    >>> max_along(x, 1).tolist(), max_along(x, keepdims=True).tolist()
     ([99, 199], [[199]])
 """
 
@@ -47,12 +47,14 @@ def in_one_step():
         _ONE_STEP.reset(token)
 
 
-def max_along(x: jax.Array, axis: int | tuple[int, ...], *, keepdims: bool = False, neutral=0):
-    """``jnp.max(x, axis, keepdims=keepdims)`` over ``axis`` (an int or a tuple of ints), in
-    steps of :data:`STEP` elements; ``neutral`` pads an axis that is not a whole number of
-    steps and is the result over an empty axis (``jnp.max``'s ``initial``: no element of ``x``
-    may exceed it from below, e.g. 0 for magnitudes or their bits)."""
-    axes = sorted(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis))
+def max_along(x: jax.Array, axis=None, *, keepdims: bool = False, neutral=0):
+    """``jnp.max(x, axis, keepdims=keepdims)`` over ``axis`` (an int, a tuple of ints, or
+    None for every axis), in steps of :data:`STEP` elements; ``neutral`` pads an axis that is
+    not a whole number of steps and is the result over an empty axis (``jnp.max``'s
+    ``initial``: no element of ``x`` may exceed it from below, e.g. 0 for magnitudes or their
+    bits)."""
+    axes = range(x.ndim) if axis is None else (axis,) if isinstance(axis, int) else axis
+    axes = sorted(a % x.ndim for a in axes)
     for a in axes:
         x = _max_along_one(x, a, neutral)
     return x if keepdims else jnp.squeeze(x, axes)

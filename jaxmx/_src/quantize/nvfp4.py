@@ -52,7 +52,7 @@ def global_scale_of(amax_bits: jax.Array) -> jax.Array:
 def tensor_scale(x: jax.Array) -> jax.Array:
     """The tensor scale ``g`` of ``x`` (:func:`global_scale_of` of its largest magnitude), as
     the quantizer computes it."""
-    amax_bits = max_along(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF, tuple(range(x.ndim)))
+    amax_bits = max_along(bits.to_bits(bits.upcast_exact(x)) & 0x7FFFFFFF)
     return global_scale_of(amax_bits)
 
 
@@ -85,7 +85,7 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values, b
     magnitude_bits = bits.to_bits(xb) & 0x7FFFFFFF
     block_amax_bits = max_along(magnitude_bits, block_axes, keepdims=True)
     if g is None:
-        g = global_scale_of(max_along(block_amax_bits, tuple(range(xb.ndim))))  # empty x: 0
+        g = global_scale_of(max_along(block_amax_bits))  # an empty x: as all-zero
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
     s = bits.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))

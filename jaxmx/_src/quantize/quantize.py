@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jaxmx._src.core.blocks import (
     format_scale_shape,
     padded_shape,
     tile_view,
+    untile,
 )
 from jaxmx._src.core.checks import check_key, normalize_axis
 from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
@@ -142,7 +144,7 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
             noise, block_axes = uniform_noise(key, xb.shape), (2,)
         else:  # tiles in their place, [outer, R, rows, C, cols]: no transposed copy of x
             xb = bits.upcast_exact(tile_view(x, tile))
-            noise, block_axes = _tile_noise(key, xb.shape), (2, 4)
+            noise, block_axes = _tile_noise(key, padded, tile), (2, 4)
         rule = rule_of(f)
         codes, values, g = rule.scaled(xb, f, scale_mode, noise, global_scale, block_axes)
         return shaped(encode(values, f), rule.scales(codes), g)
@@ -154,15 +156,16 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
     return dispatch(impl, xla, kernels, x)
 
 
-def _tile_noise(key, view_shape: tuple[int, ...]) -> jax.Array | None:
-    """Stochastic rounding's draws for tiles in their place (:func:`tile_view`'s
-    ``[outer, R, rows, C, cols]``), drawn in whole-tile order (:func:`tiles`'s layout, as the
-    Pallas kernels draw them) and laid out in place."""
+def _tile_noise(key, padded: tuple[int, ...], tile: tuple[int, int]) -> jax.Array | None:
+    """Stochastic rounding's draws for tiles in their place (:func:`tile_view` of the
+    ``padded`` shape), drawn in whole-tile order (:func:`tiles`'s layout, as the Pallas kernels
+    draw them) and laid out in place."""
     if key is None:
         return None
-    outer, r, rows, c, cols = view_shape
-    draws = uniform_noise(key, (outer, r * c, rows * cols, 1))
-    return draws.reshape(outer, r, c, rows, cols).transpose(0, 1, 3, 2, 4)
+    rows, cols = tile
+    n_tiles = padded[-2] // rows * (padded[-1] // cols)
+    draws = uniform_noise(key, (math.prod(padded[:-2]), n_tiles, rows * cols, 1))
+    return tile_view(untile(draws, padded, tile), tile)
 
 
 def _checked_tile(tile, ndim: int, axis: int, f: Format) -> tuple[int, int] | None:

@@ -322,10 +322,7 @@ def current_scaled(xb, f: Format, scale_mode: str, noise):
     reduced = (2,) if f.span == "row" else (0, 1, 2, 3)
     amax_bits = max_along(bits.to_bits(xb) & 0x7FFFFFFF, reduced, keepdims=True)
     scale = current_scale(amax_bits, f, scale_mode)
-    scaled = xb * scale
-    if noise is not None:
-        scaled = round_stochastically(scaled, f, noise)
-    return scale, jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return scale, _clipped(xb * scale, f, noise)
 
 
 def current_scale(amax_bits, f: Format, scale_mode: str):

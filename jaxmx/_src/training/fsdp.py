@@ -312,7 +312,7 @@ def _current_copy(x, fmt: str, scale_mode: str, axis_name: str, *, axis: int) ->
     (where ``x`` varies over it): every shard's codes use the scale of the whole tensor."""
     f = get_format(fmt)
     x32 = bits.upcast_exact(x)
-    amax_bits = max_along(bits.to_bits(x32) & 0x7FFFFFFF, tuple(range(x.ndim)))
+    amax_bits = max_along(bits.to_bits(x32) & 0x7FFFFFFF)
     if axis_name in varying_axes(x):
         amax_bits = lax.pmax(amax_bits, axis_name)
     scale = current_scale(amax_bits, f, scale_mode)

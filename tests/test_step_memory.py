@@ -124,16 +124,12 @@ def test_eight_bit_remat_needs_less_temp_than_bf16_dots_saveable(temps):
     assert temps["mx 8-bit"] < temps["bf16 dots"], temps
 
 
+_RECIPES = ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "DEEPSEEK_FP8", "NVFP4")
 # (recipe, loop, masters) whose step, without remat, needs no more temporaries than bf16's
 # (docs/benchmarks.md, "Training-step memory", lists every setup, these and the others).
 HOLDS = [
-    *[(r, "unrolled", m) for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE") for m in ("cast", "f32")],
-    *[("FP8_ROWWISE", "unrolled", m) for m in ("cast", "f32")],
-    *[("NVFP4", "unrolled", m) for m in ("cast", "f32")],
-    *[
-        (r, "scan", "cast")
-        for r in ("MXFP8", "MXFP8_2D", "FP8_TENSORWISE", "FP8_ROWWISE", "DEEPSEEK_FP8", "NVFP4")
-    ],
+    *[(r, loop, "cast") for r in _RECIPES for loop in ("unrolled", "scan")],
+    *[(r, "unrolled", "f32") for r in _RECIPES],
 ]
 _LOOPS = {"unrolled": _mlp_temp, "scan": _scanned_mlp_temp}
 

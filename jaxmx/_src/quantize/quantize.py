@@ -36,6 +36,7 @@ from jaxmx._src.core.copies import Copies, SwizzledCopies, as_copies
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
+from jaxmx._src.core.materialize import materialized
 from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
 from jaxmx._src.core.support import lacks
 from jaxmx._src.core.swizzle import swizzle_scales
@@ -147,7 +148,10 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
             noise, block_axes = _tile_noise(key, padded, tile), (2, 4)
         rule = rule_of(f)
         codes, values, g = rule.scaled(xb, f, scale_mode, noise, global_scale, block_axes)
-        return shaped(encode(values, f), rule.scales(codes), g)
+        data, scales = encode(values, f), rule.scales(codes)
+        if tile is not None and f.storage_bits == 8:  # one copy serves two GEMMs: held as codes
+            data = materialized(data, one_from=scales)
+        return shaped(data, scales, g)
 
     def kernels(x, interpret):
         settings = dict(f=f, axis=axis, scale_mode=scale_mode, key=key, tile=tile)

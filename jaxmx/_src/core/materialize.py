@@ -1,0 +1,58 @@
+"""An array that XLA holds in memory as it is, not as what it was computed from.
+
+XLA fuses cheap elementwise operations into each of their consumers and holds the result of
+the last expensive one (a floating-point division, say) where consumers meet. Codes computed as
+``convert(x / s)`` and read by two GEMMs (a weight's tiles serve the forward GEMM and the input
+gradient's) are then held across the training step as the float32 quotients ``x / s``: four
+bytes an element where the codes take one. :func:`materialized` ends the computation of an
+array with an operation that XLA does not repeat in each consumer, an unsigned integer division
+by 1, so XLA holds the array itself. The divisor is computed at run time from another array's
+bits (``(bits >> (width - 1)) | 1``, which is 1 for every value), so no pass folds it away; the
+result equals the input bit for bit. (``lax.optimization_barrier`` does not do this: XLA:CPU
+removes it before fusion.)
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmx._src.core.materialize import materialized
+    >>> codes = jnp.array([1.5, -448.0, jnp.nan], jnp.float8_e4m3fn)
+    >>> materialized(codes, one_from=jnp.float32(0.25)).tolist()
+    [1.5, -448.0, nan]
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def materialized(x: jax.Array, *, one_from: jax.Array) -> jax.Array:
+    """``x``, bit for bit, computed last by an integer division by a 1 made at run time from the
+    first element of ``one_from`` (any non-empty array XLA does not know as a constant, e.g.
+    the scales computed with ``x``). ``x``: a dtype of 8, 16 or 32 bits; an empty ``x`` is
+    returned as it is."""
+    bits = _bits(x.dtype)
+    if bits not in (8, 16, 32):
+        raise TypeError(f"materialized: takes arrays of 8, 16 or 32-bit elements, not {x.dtype}")
+    if x.size == 0:
+        return x
+    unsigned = jnp.dtype(f"uint{bits}")
+    as_unsigned = lax.bitcast_convert_type(x, unsigned)
+    out = lax.div(as_unsigned, _one(one_from).astype(unsigned))
+    return lax.bitcast_convert_type(out, x.dtype)
+
+
+def _one(source: jax.Array) -> jax.Array:
+    """An unsigned scalar 1: the top bit of ``source``'s first element, or 1."""
+    first = lax.slice(source, (0,) * source.ndim, (1,) * source.ndim).reshape(())
+    bits = _bits(first.dtype)
+    word = lax.bitcast_convert_type(first, jnp.dtype(f"uint{bits}"))
+    return (word >> (bits - 1)) | 1
+
+
+def _bits(dtype) -> int:
+    """Bits an element of ``dtype`` holds (a ValueError for bool)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return jnp.iinfo(dtype).bits

@@ -48,7 +48,7 @@ from jaxmx._src.core.block_sharding import (
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, MXBits, along, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, MXBits, along, as_bits, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.quantize.hadamard import rht
@@ -250,7 +250,7 @@ def _forward(static: Static, x, w, key, training: bool):
     else:
         w_fwd = w
     x_fwd = quantized(x, axis=-1, **col) if one_copy and not r.rht else x
-    y = fprop(static, x_fwd, w_fwd)
+    y = fprop(static, x_fwd, _after_input(w_fwd, x) if r.weight_tile else w_fwd)
     if not training:
         return y, None
     if r.wgrad == "high_precision":
@@ -335,6 +335,14 @@ def _after(saved: MXBits, g) -> MXBits:
     bits = lax.bitcast_convert_type(g[(0,) * g.ndim].astype(jnp.float32), jnp.uint32)
     s = jnp.minimum(s, s | bits.astype(unsigned))
     return dataclasses.replace(saved, scale=lax.bitcast_convert_type(s, scale.dtype))
+
+
+def _after_input(w: MXArray, x) -> MXArray:
+    """The tiled weight ``w`` unchanged, its scales made to depend on the GEMM's input ``x``
+    (:func:`_after`): its decode, which depends on the weight only, is scheduled where the
+    forward GEMM reads it, not at the start of the step (where every layer's decoded weight
+    was held at once)."""
+    return mx_from_bits(_after(as_bits(w), x))
 
 
 def _gradient_copies(r: Recipe, g_row: Operand, g_col: Operand):

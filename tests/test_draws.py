@@ -8,6 +8,7 @@ docstring (uint32 arithmetic in numpy), not from the code.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
@@ -62,6 +63,48 @@ def test_draws_follow_the_documented_recipe(shape):
     np.testing.assert_array_equal(got, _reference(legacy, shape))
 
 
+@pytest.mark.parametrize("first", [0.0, -0.0, -1.5, np.nan, -np.inf, 1e-45])
+@pytest.mark.parametrize("shape", [(3, 7), (2, 3, 32, 4), ()])
+def test_draws_tied_to_the_rounded_array_are_the_same_draws(shape, first):
+    key = jax.random.key(7)
+    x = jnp.full((4, 2), first, jnp.bfloat16).at[1].set(3.0)
+    got = np.asarray(jax.jit(draws.uniform_draws, static_argnums=1)(key, shape, tied_to=x))
+    np.testing.assert_array_equal(got, _reference(jax.random.key_data(key), shape))
+
+
+def test_draws_tied_to_the_rounded_array_stay_inside_a_scan():
+    """A gradient rounded in each backward step of a ``lax.scan`` with draws from a fixed key:
+    untied, the draws' full-size index depends on nothing in the loop and is moved out of it
+    (4 bytes per element held across the loop); tied to the gradient it is computed where
+    the gradient is rounded."""
+
+    def temp(tied: bool) -> int:
+        @jax.custom_vjp
+        def rounded_gradient(h, key):
+            return h
+
+        def forward(h, key):
+            return h, key
+
+        def backward(key, g):
+            u = draws.uniform_draws(key, g.shape, tied_to=g if tied else None)
+            return jnp.floor(g * 8 + u) / 8, None
+
+        rounded_gradient.defvjp(forward, backward)
+
+        def loss(h, key):
+            def step(h, _):
+                return jnp.sin(rounded_gradient(h, key)), None
+
+            return jnp.sum(jax.lax.scan(step, h, None, length=3)[0])
+
+        h = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+        lowered = jax.jit(jax.grad(loss)).lower(h, jax.random.key(0))
+        return lowered.compile().memory_analysis().temp_size_in_bytes
+
+    assert temp(tied=True) < temp(tied=False) - 3 * 512 * 512  # the index: 1 MiB
+
+
 def test_axes_are_grouped_below_the_index_limit(monkeypatch):
     """Past 2^32 elements the flat index would wrap: the axes are split into groups, each
     mixed in turn (checked with a small limit, the same rule)."""
@@ -71,6 +114,8 @@ def test_axes_are_grouped_below_the_index_limit(monkeypatch):
     got = np.asarray(draws.uniform_draws(key, shape), np.float64)
     np.testing.assert_array_equal(got, _reference(jax.random.key_data(key), shape, limit=2**6))
     assert len(np.unique(got)) == got.size
+    tied = draws.uniform_draws(key, shape, tied_to=jnp.ones(3))
+    np.testing.assert_array_equal(np.asarray(tied, np.float64), got)
 
 
 def test_draws_are_uniform_on_24_bits():

@@ -2,9 +2,10 @@
 
 ``compiled.memory_analysis().temp_size_in_bytes`` of one-device steps (benchmarks/step_memory.py
 at small shapes): the MXFP8 step needs no more than the bfloat16 one, and with each block under
-jaxmx's 8-bit-residual remat policy less than bfloat16 under ``dots_saveable``; the recipes of
-``HOLDS`` need no more than bfloat16 in each MLP setup listed there (float32 masters cast to
-bfloat16 or passed as they are, unrolled or under ``lax.scan``).
+jaxmx's 8-bit-residual remat policy less than bfloat16 under ``dots_saveable``; every recipe
+needs no more than bfloat16 in each MLP setup of ``HOLDS`` (float32 masters cast to bfloat16
+or passed as they are, unrolled or under ``lax.scan``), and with the 8-bit-residual policy no
+more than bfloat16 with ``dots_saveable``, unrolled and under ``lax.scan``.
 """
 
 from __future__ import annotations
@@ -146,3 +147,20 @@ def test_recipe_step_needs_no_more_temp_than_bf16(name, loop, masters, bf16_temp
     with jaxmx.stochastic_rounding(jax.random.key(1)) if stochastic else contextlib.nullcontext():
         temp = _LOOPS[loop](recipe, None, masters)
     assert temp <= bf16_temps[loop], (temp, bf16_temps[loop])
+
+
+@pytest.fixture(scope="module")
+def bf16_dots_temps():
+    return {loop: temp(None, DOTS) for loop, temp in _LOOPS.items()}
+
+
+@pytest.mark.parametrize("loop", tuple(_LOOPS))
+@pytest.mark.parametrize("name", _RECIPES)
+def test_recipe_step_with_eight_bit_remat_needs_no_more_temp_than_bf16_dots(
+    name, loop, bf16_dots_temps
+):
+    recipe = getattr(jaxmx.recipes, name)
+    stochastic = recipe.grad_rounding == "stochastic"
+    with jaxmx.stochastic_rounding(jax.random.key(1)) if stochastic else contextlib.nullcontext():
+        temp = _LOOPS[loop](recipe, EIGHT_BIT)
+    assert temp <= bf16_dots_temps[loop], (temp, bf16_dots_temps[loop])

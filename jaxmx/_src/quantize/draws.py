@@ -68,6 +68,16 @@ def _seed(key) -> jax.Array:
     return seed
 
 
+def _tie(tied_to: jax.Array | None):
+    """``index -> min(index, index | b)`` for ``b`` the bits of ``tied_to``'s first element
+    (the index itself, computed after ``tied_to``); the identity without ``tied_to``."""
+    if tied_to is None or tied_to.size == 0:
+        return None
+    first = lax.slice(tied_to, (0,) * tied_to.ndim, (1,) * tied_to.ndim).reshape(())
+    bits = lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32)
+    return lambda index: jnp.minimum(index, index | bits)
+
+
 def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The axes in groups, from the last, each with fewer than ``2^32`` elements in all."""
     groups: list[list[int]] = []
@@ -81,26 +91,41 @@ def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(g) for g in groups]
 
 
-def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...], tie) -> jax.Array:
     """Each element's row-major index within ``axes`` (consecutive), broadcast to ``shape``:
-    an ``iota`` reshaped, no arithmetic."""
+    an ``iota`` reshaped, no arithmetic; with ``tie`` (:func:`_tie`), the sum of each axis's
+    tied ``iota`` times its stride (arithmetic on values XLA cannot fold)."""
     group = tuple(shape[a] for a in axes)
-    index = lax.iota(jnp.uint32, math.prod(group)).reshape(group)
-    return lax.broadcast_in_dim(index, shape, axes)
+    if tie is None:
+        index = lax.iota(jnp.uint32, math.prod(group)).reshape(group)
+        return lax.broadcast_in_dim(index, shape, axes)
+    index = jnp.zeros((), jnp.uint32)
+    for a in axes:
+        stride = math.prod(shape[a + 1 : axes[-1] + 1])
+        along = lax.broadcast_in_dim(tie(lax.iota(jnp.uint32, shape[a])), shape, (a,))
+        index = index + along * jnp.uint32(stride)
+    return index
 
 
-def uniform_draws(key, shape: tuple[int, ...]) -> jax.Array:
+def uniform_draws(key, shape: tuple[int, ...], *, tied_to: jax.Array | None = None) -> jax.Array:
     """Float32 draws in ``[0, 1)`` (multiples of ``2^-24``), one per element of ``shape``,
     from ``key`` (a typed PRNG key or a legacy ``uint32[2]`` one); the module docstring
-    gives the recipe."""
+    gives the recipe.
+
+    ``tied_to``: the array the draws round. The element indices are built from one ``iota``
+    per axis, each made to depend on its first element (:func:`_tie`: the same indices, bit
+    for bit), so the draws are computed where that array is rounded. Draws from a key and
+    positions alone depend on nothing that changes from one step of a ``lax.scan`` to the
+    next: JAX's partial evaluation and XLA move them (or their full-size index) out of the
+    loop, a 4-byte array of the rounded tensor's size held across the whole loop."""
     shape = tuple(int(d) for d in shape)
     if any(d >= _WORD for d in shape):
         raise ValueError(f"stochastic rounding: an axis of {shape} has 2^32 or more elements")
     if math.prod(shape) == 0:
         return jnp.zeros(shape, jnp.float32)
-    seed = _seed(key)
+    seed, tie = _seed(key), _tie(tied_to)
     h = jnp.broadcast_to(seed, shape)
     for axes in _axis_groups(shape):
-        h = mix(h ^ _flat_index(shape, axes))
+        h = mix(h ^ _flat_index(shape, axes, tie))
     h = mix(h + seed)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

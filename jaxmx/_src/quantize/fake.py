@@ -96,7 +96,7 @@ def quantize_to_grid(
 def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> GridArray:
     """:func:`quantize_to_grid` of checked arguments: one compiled program per shape."""
     rule, xb = rule_of(f), blocked(x, axis, f.block)
-    codes, values, _ = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape))
+    codes, values, _ = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape, tied_to=x))
     scale = rule.scales(codes)
     on_grid = to_grid(values, f)
     return GridArray(

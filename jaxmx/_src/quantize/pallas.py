@@ -114,9 +114,11 @@ def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpre
     if key is None:
         noise = None
     elif tile is None:  # the XLA quantizer's draws, [outer, n_blocks, block, inner]
-        noise = uniform_noise(key, (outer, ceil_div(size, f.block), f.block, inner)).reshape(padded)
+        shape = (outer, ceil_div(size, f.block), f.block, inner)
+        noise = uniform_noise(key, shape, tied_to=x).reshape(padded)
     else:  # drawn for tiles(x), [outer, n_tiles, rows * cols, 1]
-        noise = untile(uniform_noise(key, (n, rows * cols, math.prod(tile), 1)), padded, tile)
+        draws = uniform_noise(key, (n, rows * cols, math.prod(tile), 1), tied_to=x)
+        noise = untile(draws, padded, tile)
 
     def run(v, draws):
         draws = None if draws is None else pad_to_tiles(draws)
@@ -136,8 +138,8 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
     row_key, col_key = copy_keys
     noise = (None, None)
     if row_key is not None:
-        row = uniform_noise(row_key, (m, nb_k, f.block, 1)).reshape(m, nb_k * f.block)
-        col = uniform_noise(col_key, (1, nb_m, f.block, k)).reshape(nb_m * f.block, k)
+        row = uniform_noise(row_key, (m, nb_k, f.block, 1), tied_to=x).reshape(m, nb_k * f.block)
+        col = uniform_noise(col_key, (1, nb_m, f.block, k), tied_to=x).reshape(nb_m * f.block, k)
         noise = (pad_to_tiles(row), pad_to_tiles(col))
     out = quantize_rowwise_colwise_2d(
         pad_to_tiles(x), f, scale_mode, noise, swizzled, g, shape=(m, k), interpret=interpret

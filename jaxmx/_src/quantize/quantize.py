@@ -142,10 +142,10 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
     def xla(x):
         if tile is None:
             xb = blocked(x, axis, block)  # [outer, n_blocks, block, inner], float32
-            noise, block_axes = uniform_noise(key, xb.shape), (2,)
+            noise, block_axes = uniform_noise(key, xb.shape, tied_to=x), (2,)
         else:  # tiles in their place, [outer, R, rows, C, cols]: no transposed copy of x
             xb = bits.upcast_exact(tile_view(x, tile))
-            noise, block_axes = _tile_noise(key, padded, tile), (2, 4)
+            noise, block_axes = _tile_noise(key, padded, tile, x), (2, 4)
         rule = rule_of(f)
         codes, values, g = rule.scaled(xb, f, scale_mode, noise, global_scale, block_axes)
         data, scales = encode(values, f), rule.scales(codes)
@@ -160,15 +160,15 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
     return dispatch(impl, xla, kernels, x)
 
 
-def _tile_noise(key, padded: tuple[int, ...], tile: tuple[int, int]) -> jax.Array | None:
-    """Stochastic rounding's draws for tiles in their place (:func:`tile_view` of the
+def _tile_noise(key, padded: tuple[int, ...], tile: tuple[int, int], x) -> jax.Array | None:
+    """Stochastic rounding's draws for tiles of ``x`` in their place (:func:`tile_view` of the
     ``padded`` shape), drawn in whole-tile order (:func:`tiles`'s layout, as the Pallas kernels
     draw them) and laid out in place."""
     if key is None:
         return None
     rows, cols = tile
     n_tiles = padded[-2] // rows * (padded[-1] // cols)
-    draws = uniform_noise(key, (math.prod(padded[:-2]), n_tiles, rows * cols, 1))
+    draws = uniform_noise(key, (math.prod(padded[:-2]), n_tiles, rows * cols, 1), tied_to=x)
     return tile_view(untile(draws, padded, tile), tile)
 
 

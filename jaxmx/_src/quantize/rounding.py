@@ -20,10 +20,11 @@ from jaxmx._src.core.formats import Format
 from jaxmx._src.quantize.draws import uniform_draws
 
 
-def uniform_noise(key, shape) -> jax.Array | None:
+def uniform_noise(key, shape, *, tied_to: jax.Array | None = None) -> jax.Array | None:
     """The uniform [0, 1) draws of stochastic rounding for blocked elements of ``shape``
-    (:func:`~jaxmx._src.core.blocks.blocked`'s layout; :mod:`draws`), or None without a key."""
-    return None if key is None else uniform_draws(key, shape)
+    (:func:`~jaxmx._src.core.blocks.blocked`'s layout; :mod:`draws`), or None without a key;
+    ``tied_to``: the array they round (:func:`~jaxmx._src.quantize.draws.uniform_draws`)."""
+    return None if key is None else uniform_draws(key, shape, tied_to=tied_to)
 
 
 def rounding(f: Format, noise):

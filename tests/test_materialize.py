@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxmx._src.core.materialize import materialized
+from jaxmx._src.core.materialize import materialized, tied
 
 _DTYPES = [jnp.float8_e4m3fn, jnp.float8_e8m0fnu, jnp.uint8, jnp.int8, jnp.bfloat16, jnp.int32]
 
@@ -66,3 +66,12 @@ def test_codes_read_twice_are_held_as_codes():
     mib = 2**20
     assert _codes_read_twice(hold=False) >= 2 * mib
     assert _codes_read_twice(hold=True) <= mib + mib // 4 + mib // 16
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.uint32])
+@pytest.mark.parametrize("to", [np.float32(-0.0), np.float32(np.nan), np.array([[-3]], np.int32)])
+def test_tied_values_are_the_values(dtype, to):
+    width = jnp.dtype(dtype).itemsize * 8
+    v = np.array([0, 1, 2 ** (width - 1), 2**width - 1, 0x5A5A5A5A % 2**width], dtype)
+    np.testing.assert_array_equal(jax.jit(tied)(jnp.asarray(v), to=jnp.asarray(to)), v)
+    np.testing.assert_array_equal(tied(jnp.asarray(v), to=jnp.zeros((0,))), v)

@@ -1,7 +1,9 @@
-"""An array that XLA holds in memory as it is, not as what it was computed from.
+"""What XLA holds in memory, and when it computes it: two bit-for-bit identities it cannot see
+through.
 
-XLA fuses cheap elementwise operations into each of their consumers and holds the result of
-the last expensive one (a floating-point division, say) where consumers meet. Codes computed as
+:func:`materialized` holds an array as it is, not as what it was computed from. XLA fuses
+cheap elementwise operations into each of their consumers and holds the result of the last
+expensive one (a floating-point division, say) where consumers meet. Codes computed as
 ``convert(x / s)`` and read by two GEMMs (a weight's tiles serve the forward GEMM and the input
 gradient's) are then held across the training step as the float32 quotients ``x / s``: four
 bytes an element where the codes take one. :func:`materialized` ends the computation of an
@@ -11,12 +13,22 @@ bits (``(bits >> (width - 1)) | 1``, which is 1 for every value), so no pass fol
 result equals the input bit for bit. (``lax.optimization_barrier`` does not do this: XLA:CPU
 removes it before fusion.)
 
+:func:`tied` makes an unsigned integer array depend on another array, so that it is computed
+where that array exists: ``min(v, v | b)`` with ``b`` the bits of the other array's first
+element, which is ``v``. A weight's decode depends on the weight only, and XLA's scheduler
+decodes it (and holds the result) at the start of the step unless its scales are tied to the
+GEMM's input or output gradient; a stochastic rounding draw depends on the key and the
+element's position only, and JAX and XLA move it out of a ``lax.scan`` (a full-size array held
+across the loop) unless its index is tied to the array it rounds.
+
 Example:
     >>> import jax.numpy as jnp
-    >>> from jaxmx._src.core.materialize import materialized
+    >>> from jaxmx._src.core.materialize import materialized, tied
     >>> codes = jnp.array([1.5, -448.0, jnp.nan], jnp.float8_e4m3fn)
     >>> materialized(codes, one_from=jnp.float32(0.25)).tolist()
     [1.5, -448.0, nan]
+    >>> tied(jnp.array([0, 7, 255], jnp.uint8), to=jnp.float32(-1.0)).tolist()
+    [0, 7, 255]
 """
 
 from __future__ import annotations
@@ -40,6 +52,16 @@ def materialized(x: jax.Array, *, one_from: jax.Array) -> jax.Array:
     as_unsigned = lax.bitcast_convert_type(x, unsigned)
     out = lax.div(as_unsigned, _one(one_from).astype(unsigned))
     return lax.bitcast_convert_type(out, x.dtype)
+
+
+def tied(v: jax.Array, *, to: jax.Array) -> jax.Array:
+    """``v`` (unsigned integers), bit for bit, computed after ``to``: ``min(v, v | b)`` for
+    ``b`` the bits of ``to``'s first element (as float32). ``v`` itself for an empty ``to``."""
+    if to.size == 0:
+        return v
+    first = lax.slice(to, (0,) * to.ndim, (1,) * to.ndim).reshape(())
+    bits = lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32).astype(v.dtype)
+    return jnp.minimum(v, v | bits)
 
 
 def _one(source: jax.Array) -> jax.Array:

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmx._src.core.materialize import tied
+
 _GOLDEN = 0x9E3779B9
 _WORD = 2**32  # uint32 arithmetic wraps here
 _INDEX_LIMIT = _WORD  # a group of axes holds fewer elements than this
@@ -68,16 +70,6 @@ def _seed(key) -> jax.Array:
     return seed
 
 
-def _tie(tied_to: jax.Array | None):
-    """``index -> min(index, index | b)`` for ``b`` the bits of ``tied_to``'s first element
-    (the index itself, computed after ``tied_to``); the identity without ``tied_to``."""
-    if tied_to is None or tied_to.size == 0:
-        return None
-    first = lax.slice(tied_to, (0,) * tied_to.ndim, (1,) * tied_to.ndim).reshape(())
-    bits = lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32)
-    return lambda index: jnp.minimum(index, index | bits)
-
-
 def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The axes in groups, from the last, each with fewer than ``2^32`` elements in all."""
     groups: list[list[int]] = []
@@ -91,18 +83,20 @@ def _axis_groups(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return [tuple(g) for g in groups]
 
 
-def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...], tie) -> jax.Array:
+def _flat_index(shape: tuple[int, ...], axes: tuple[int, ...], tied_to) -> jax.Array:
     """Each element's row-major index within ``axes`` (consecutive), broadcast to ``shape``:
-    an ``iota`` reshaped, no arithmetic; with ``tie`` (:func:`_tie`), the sum of each axis's
-    tied ``iota`` times its stride (arithmetic on values XLA cannot fold)."""
+    an ``iota`` reshaped, no arithmetic; with ``tied_to``, the sum of each axis's ``iota``
+    (:func:`~jaxmx._src.core.materialize.tied` to it) times its stride (arithmetic on values
+    XLA cannot fold)."""
     group = tuple(shape[a] for a in axes)
-    if tie is None:
+    if tied_to is None:
         index = lax.iota(jnp.uint32, math.prod(group)).reshape(group)
         return lax.broadcast_in_dim(index, shape, axes)
     index = jnp.zeros((), jnp.uint32)
     for a in axes:
         stride = math.prod(shape[a + 1 : axes[-1] + 1])
-        along = lax.broadcast_in_dim(tie(lax.iota(jnp.uint32, shape[a])), shape, (a,))
+        along = tied(lax.iota(jnp.uint32, shape[a]), to=tied_to)
+        along = lax.broadcast_in_dim(along, shape, (a,))
         index = index + along * jnp.uint32(stride)
     return index
 
@@ -113,8 +107,8 @@ def uniform_draws(key, shape: tuple[int, ...], *, tied_to: jax.Array | None = No
     gives the recipe.
 
     ``tied_to``: the array the draws round. The element indices are built from one ``iota``
-    per axis, each made to depend on its first element (:func:`_tie`: the same indices, bit
-    for bit), so the draws are computed where that array is rounded. Draws from a key and
+    per axis, each :func:`~jaxmx._src.core.materialize.tied` to it (the same indices, bit for
+    bit), so the draws are computed where that array is rounded. Draws from a key and
     positions alone depend on nothing that changes from one step of a ``lax.scan`` to the
     next: JAX's partial evaluation and XLA move them (or their full-size index) out of the
     loop, a 4-byte array of the rounded tensor's size held across the whole loop."""
@@ -123,9 +117,9 @@ def uniform_draws(key, shape: tuple[int, ...], *, tied_to: jax.Array | None = No
         raise ValueError(f"stochastic rounding: an axis of {shape} has 2^32 or more elements")
     if math.prod(shape) == 0:
         return jnp.zeros(shape, jnp.float32)
-    seed, tie = _seed(key), _tie(tied_to)
+    seed = _seed(key)
     h = jnp.broadcast_to(seed, shape)
     for axes in _axis_groups(shape):
-        h = mix(h ^ _flat_index(shape, axes, tie))
+        h = mix(h ^ _flat_index(shape, axes, tied_to))
     h = mix(h + seed)
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)

@@ -48,6 +48,7 @@ from jaxmx._src.core.block_sharding import (
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.materialize import tied
 from jaxmx._src.core.mxarray import MXArray, MXBits, along, as_bits, swap_last_axes
 from jaxmx._src.core.mxarray import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
@@ -322,18 +323,15 @@ def _mx_bmm_bwd(static: Static, residuals, g):
 
 
 def _after(saved: MXBits, g) -> MXBits:
-    """``saved`` unchanged, its scales made to depend on the output gradient ``g``
-    (``min(s, s | b) == s`` for unsigned ``s``, ``b`` bits of one element of ``g``), so that
-    the scheduler decodes a residual in the backward pass where it is used, not as soon as its
-    inputs exist (a weight's decode depends on the weight only and would otherwise run, and be
-    held, from the start of the step)."""
-    scale = saved.scale
+    """``saved`` unchanged, its scales :func:`~jaxmx._src.core.materialize.tied` to the
+    output gradient ``g``, so that the scheduler decodes a residual in the backward pass where
+    it is used, not as soon as its inputs exist (a weight's decode depends on the weight only
+    and would otherwise run, and be held, from the start of the step)."""
     if g.size == 0:  # nothing to decode
         return saved
+    scale = saved.scale
     unsigned = jnp.dtype(f"uint{8 * scale.dtype.itemsize}")
-    s = lax.bitcast_convert_type(scale, unsigned)
-    bits = lax.bitcast_convert_type(g[(0,) * g.ndim].astype(jnp.float32), jnp.uint32)
-    s = jnp.minimum(s, s | bits.astype(unsigned))
+    s = tied(lax.bitcast_convert_type(scale, unsigned), to=g)
     return dataclasses.replace(saved, scale=lax.bitcast_convert_type(s, scale.dtype))
 
 

@@ -20,9 +20,10 @@ The recipe (``tests/test_draws.py`` reproduces it in numpy):
   the group; then ``h = mix(h + s)``.
 - The draw is ``(h >> 8) * 2^-24``: a multiple of ``2^-24`` in ``[0, 1)``.
 
-The index enters only through ``iota`` and ``reshape`` before it meets the key: no arithmetic
-on constants is left for XLA to fold at compile time (a fixed key is still an argument of the
-compiled step).
+The index enters only through ``iota`` and ``reshape`` before it meets the key, or, with
+``tied_to`` (the array being rounded), as the sum of per-axis ``iota`` s tied to that array: no
+arithmetic on constants is left for XLA to fold at compile time (a fixed key is still an
+argument of the compiled step), and nothing is left for ``lax.scan`` to move out of its loop.
 
 Example:
     >>> import jax

@@ -12,7 +12,7 @@ import pytest
 from reference import nvfp4 as reference_nvfp4
 
 import jaxmx
-from jaxmx._src.core.mxarray import swap_last_axes, untiled
+from jaxmx._src.core.mxarray_layouts import swap_last_axes, untiled
 
 F32 = np.float32
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxmx
 import jaxmx.flax.nnx as mxnnx
-from jaxmx._src.core.mxarray import swap_last_axes
+from jaxmx._src.core.mxarray_layouts import swap_last_axes
 
 PACKED = {"mxfp4": 4, "nvfp4": 4, "mxfp6_e2m3": 6, "mxfp6_e3m2": 6}  # bits held per code
 

@@ -17,7 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxmx._src.core import dtypes, packing
+from jaxmx._src.core import packing
 from jaxmx._src.core.blocks import format_scale_shape, padded_shape
 from jaxmx._src.core.formats import Format, check_gemm_operand, get_format
 from jaxmx._src.core.support import lacks
@@ -198,80 +198,6 @@ class MXArray:
     def __repr__(self) -> str:
         tile = f", tile={self.tile}" if self.tile else ""
         return f"MXArray(fmt={self.fmt!r}, shape={self.shape}, axis={self.axis}{tile})"
-
-
-def along(q: MXArray, axis: int) -> MXArray:
-    """A per-tensor ``q`` as the quantization of the same tensor along ``axis`` (non-negative):
-    the same codes and scale, since one scale per tensor does not depend on the axis."""
-    if q.format.span != "tensor":
-        raise ValueError(f"along: only a per-tensor MXArray serves every axis, not an {q.fmt} one")
-    return MXArray(q.data, q.scale, q.fmt, axis, q.shape, None, q.global_scale)
-
-
-def swap_last_axes(q: MXArray) -> MXArray:
-    """``q`` [..., A, B] blocked along A, stored transposed: [..., B, A] blocked along axis -1.
-
-    Only the held codes and the scales move. E.g. a columnwise copy quantized along M of
-    ``x [M, K]`` becomes the TN operand ``[K, M]`` of a GEMM that reduces M. A tiled ``q``
-    becomes the tiled transpose (``tile`` reversed): the same codes serve ``x`` and ``x.T``
-    (packed codes are packed again along the new last axis).
-    """
-    shape = (*q.shape[:-2], q.shape[-1], q.shape[-2])
-    tile = None if q.tile is None else q.tile[::-1]
-    scale = q.scale.swapaxes(-1, -2)
-    if tile is not None and q.format.packing:  # packed along the last axis, which moves
-        data = q.data.swapaxes(-1, -2)
-        return MXArray(data, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
-    held = q.held.swapaxes(-1, -2)  # blocks along -2 become blocks along -1, groups whole
-    return MXArray.from_held(held, scale, q.fmt, len(shape) - 1, shape, tile, q.global_scale)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MXBits:
-    """An MXArray's fields with its held codes and scales viewed as unsigned integers of their
-    width (:func:`jaxmx._src.core.dtypes.to_bits`; packed codes stay packed): how the training
-    GEMMs save an MXArray for the backward pass (:func:`as_bits`); :func:`from_bits` restores
-    it, bit for bit."""
-
-    data: jax.Array
-    scale: jax.Array
-    fmt: str = dataclasses.field(metadata=dict(static=True))
-    axis: int = dataclasses.field(metadata=dict(static=True))
-    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-    tile: tuple[int, int] | None = dataclasses.field(default=None, metadata=dict(static=True))
-    global_scale: jax.Array | None = None
-
-
-def as_bits(q: MXArray) -> MXBits:
-    """``q`` as :class:`MXBits`."""
-    data, scale = dtypes.to_bits(q.held), dtypes.to_bits(q.scale)
-    return MXBits(data, scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
-
-
-def from_bits(b: MXBits) -> MXArray:
-    """The MXArray that :func:`as_bits` made ``b`` from."""
-    f = get_format(b.fmt)
-    held = dtypes.from_bits(b.data, packing.held_dtype(f))
-    scale = dtypes.from_bits(b.scale, f.scale_dtype)
-    return MXArray.from_held(held, scale, b.fmt, b.axis, b.shape, b.tile, b.global_scale)
-
-
-def untiled(q: MXArray) -> MXArray:
-    """A tiled ``q`` as 1-D blocks along its last axis (each tile's scale repeated over its
-    rows), for consumers that take only 1-D blocks; the codes are unchanged. Needs tiles as wide
-    as the format's block."""
-    if q.tile is None:
-        return q
-    rows, cols = q.tile
-    if cols != q.format.block:
-        raise ValueError(
-            f"a {q.tile} tiled MXArray has no 1-D form: its tiles must be {q.format.block} wide"
-        )
-    n = q.shape[-2]
-    held = q.held[..., :n, :]  # rows: not the axis that codes are packed along
-    scale = jnp.repeat(q.scale, rows, axis=-2)[..., :n, :]
-    return MXArray.from_held(held, scale, q.fmt, q.axis, q.shape, global_scale=q.global_scale)
 
 
 def check_gemm_pair(a: MXArray, b: MXArray, where: str) -> None:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import exponents
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.core.recipes import STEP, Accumulation
 from jaxmx._src.core.sizes import round_up
 from jaxmx._src.gemm.emulate import decode_rows

@@ -48,7 +48,8 @@ from jax import lax
 
 from jaxmx._src.core import bits, exponents
 from jaxmx._src.core.grid_array import GridArray
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.gemm.blockwise import exact_into, fits_row_relative, needs_check
 from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.quantize.fake import element_values

@@ -42,7 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core import bits, exponents, wire
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.gemm.emulate import exact_or_row_relative, rescaled, with_tensor_scales
 from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.quantize.pow2_blocks import as_mx

@@ -22,7 +22,8 @@ from jax import lax
 from jaxmx._src.core import bits, wire
 from jaxmx._src.core.blocks import padded_shape, scale_shape
 from jaxmx._src.core.formats import FORMATS, get_format
-from jaxmx._src.core.mxarray import MXArray, checked, untiled
+from jaxmx._src.core.mxarray import MXArray, checked
+from jaxmx._src.core.mxarray_layouts import untiled
 
 MX_OF_BLOCK = {name: f.pow2_twin for name, f in FORMATS.items() if f.pow2_twin}
 """The MX format with the same elements as each block-FP8 format (``Format.pow2_twin``)."""

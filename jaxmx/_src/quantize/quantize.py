@@ -37,7 +37,8 @@ from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
 from jaxmx._src.core.materialize import materialized
-from jaxmx._src.core.mxarray import MXArray, check_tile, checked, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, check_tile, checked
+from jaxmx._src.core.mxarray_layouts import swap_last_axes
 from jaxmx._src.core.support import lacks
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.quantize import nvfp4, pallas

@@ -42,7 +42,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmx._src.core.dtypes import to_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxbits import MXBits, as_bits
 from jaxmx._src.core.recipes import Recipe
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.dispatch import Gemm, kernels

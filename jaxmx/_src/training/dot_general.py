@@ -49,8 +49,10 @@ from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.materialize import tied
-from jaxmx._src.core.mxarray import MXArray, MXBits, along, as_bits, swap_last_axes
-from jaxmx._src.core.mxarray import from_bits as mx_from_bits
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import along, swap_last_axes
+from jaxmx._src.core.mxbits import MXBits, as_bits
+from jaxmx._src.core.mxbits import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.quantize.hadamard import rht
 from jaxmx._src.training import scope

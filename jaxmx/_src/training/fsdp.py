@@ -40,8 +40,9 @@ from jaxmx._src.core import bits
 from jaxmx._src.core.block_sharding import BlockShardingError
 from jaxmx._src.core.dtypes import as_float_array, check_float_dtype
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, along, swap_last_axes
-from jaxmx._src.core.mxarray import from_bits as mx_from_bits
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import along, swap_last_axes
+from jaxmx._src.core.mxbits import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.reductions import max_along
 from jaxmx._src.core.vma import varying_axes

@@ -68,8 +68,9 @@ from jax import lax
 from jaxmx._src.core.checks import check_key
 from jaxmx._src.core.dtypes import as_array, as_float_array, check_float_dtype, from_bits
 from jaxmx._src.core.formats import get_format
-from jaxmx._src.core.mxarray import MXArray, MXBits, as_bits, checked
-from jaxmx._src.core.mxarray import from_bits as mx_from_bits
+from jaxmx._src.core.mxarray import MXArray, checked
+from jaxmx._src.core.mxbits import MXBits, as_bits
+from jaxmx._src.core.mxbits import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.quantize.fake import fake_quantize
 from jaxmx._src.quantize.hadamard import rht

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmx._src.core.formats import formats_of
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.native.call import N_MULTIPLE, custom_call

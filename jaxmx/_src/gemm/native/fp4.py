@@ -22,7 +22,8 @@ from jax import lax
 from jaxmx._src.core import wire
 from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.formats import formats_of
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxmx._src.core import wire
 from jaxmx._src.core.formats import formats_of, get_format
-from jaxmx._src.core.mxarray import MXArray, untiled
+from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.core.mxarray_layouts import untiled
 from jaxmx._src.core.swizzle import swizzle_scales
 from jaxmx._src.gemm import capabilities
 from jaxmx._src.gemm.batching import vmappable

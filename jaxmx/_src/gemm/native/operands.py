@@ -20,7 +20,8 @@ from jax import lax
 from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import ReducedAxis, check_block_alignment
 from jaxmx._src.core.dtypes import check_float_dtype
-from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked, swap_last_axes
+from jaxmx._src.core.mxarray import MXArray, check_gemm_pair, checked
+from jaxmx._src.core.mxarray_layouts import swap_last_axes
 from jaxmx._src.gemm import extension
 from jaxmx._src.gemm.capabilities import native_pair
 

@@ -59,17 +59,21 @@ def tied(v: jax.Array, *, to: jax.Array) -> jax.Array:
     ``b`` the bits of ``to``'s first element (as float32). ``v`` itself for an empty ``to``."""
     if to.size == 0:
         return v
-    first = lax.slice(to, (0,) * to.ndim, (1,) * to.ndim).reshape(())
-    bits = lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32).astype(v.dtype)
+    bits = lax.bitcast_convert_type(_first(to).astype(jnp.float32), jnp.uint32).astype(v.dtype)
     return jnp.minimum(v, v | bits)
 
 
 def _one(source: jax.Array) -> jax.Array:
     """An unsigned scalar 1: the top bit of ``source``'s first element, or 1."""
-    first = lax.slice(source, (0,) * source.ndim, (1,) * source.ndim).reshape(())
+    first = _first(source)
     bits = _bits(first.dtype)
     word = lax.bitcast_convert_type(first, jnp.dtype(f"uint{bits}"))
     return (word >> (bits - 1)) | 1
+
+
+def _first(x: jax.Array) -> jax.Array:
+    """``x``'s first element, a scalar (a slice: no gather)."""
+    return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
 
 
 def _bits(dtype) -> int:

@@ -5,7 +5,7 @@ dequantize(quantize(.)) a fixed point, ``impl="pallas"`` equal to ``impl="xla"``
 quantization equal to dequantize(quantize(.)), the emulated GEMM within a derived bound of the
 float64 product of the dequantized operands, ``vmap`` equal to a loop, ``jit`` equal to eager,
 an 8-device mesh equal to one device, and the scale kind's rules one protocol. What a property
-does not apply to is read from the entry (``span``, ``word_coded``, ``gemm_operand``), never
+does not apply to is read from the entry (``span``, ``coding``, ``gemm_operand``), never
 from its name. Each format runs its default scale rule on finite inputs in 1-D blocks; other
 scale rules, tiles, stochastic rounding and non-finite values are the per-feature tests'
 (test_quantize.py, test_block_fp8.py, test_nvfp4.py, ...)."""
@@ -151,7 +151,7 @@ def test_dequantized_values_are_a_fixed_point(f):
 
 def test_pallas_equals_xla(f):
     x = jnp.asarray(inputs((4, width(f))))
-    if f.span != "block" or f.word_coded:
+    if f.span != "block" or f.coding == "words":
         with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel"):
             jaxmx.quantize(x, f.name, impl="pallas")
         pytest.skip(f"impl='pallas' refuses {f.name}: one scale per {f.span}, {f.bits}-bit codes")

@@ -139,16 +139,21 @@ class Format:
         return not self.is_integer and self.bits == 8
 
     @property
-    def byte_coded(self) -> bool:
-        """Whether elements are floats held one per byte (FP8, and FP6 in ``uint8``): encoded and
-        decoded by integer arithmetic on their bits, not by a cast."""
-        return not self.is_integer and self.storage_bits == 8
+    def coding(self) -> str:
+        """How elements are held as codes, one of :data:`CODINGS`: ``"bytes"`` (floats one per
+        byte: FP8, FP6 in ``uint8``), ``"words"`` (floats in the low bits of 16-bit integers: E5M6
+        in ``uint16``), both encoded by integer arithmetic on their bits; ``"integers"``
+        (two's-complement, MXINT8); ``"cast"`` (a dtype XLA casts to: E2M1).
 
-    @property
-    def word_coded(self) -> bool:
-        """Whether elements are floats held in the low bits of a 16-bit integer (E5M6 in
-        ``uint16``): encoded and decoded by integer arithmetic on their bits."""
-        return self.code_bits is not None and self.storage_bits == 16
+        Example:
+            >>> [get_format(n).coding for n in ("mxfp8_e4m3", "mxint8", "mxfp4")]
+            ['bytes', 'integers', 'cast']
+        """
+        if self.is_integer:
+            return "integers"
+        if self.code_bits is not None and self.storage_bits == 16:
+            return "words"
+        return "bytes" if self.storage_bits == 8 else "cast"
 
     @property
     def has_inf(self) -> bool:
@@ -202,6 +207,9 @@ def _bits(dtype) -> int:
         return np.iinfo(dtype).bits
     return ml_dtypes.finfo(dtype).bits
 
+
+CODINGS = ("bytes", "words", "integers", "cast")
+"""How a format's elements are held as codes (:attr:`Format.coding`)."""
 
 SPANS = ("block", "row", "tensor")
 """What one scale of a format covers (:attr:`Format.span`)."""

@@ -39,7 +39,7 @@ def _scales_per_block(f: Format) -> str | None:
 
 
 def _pallas(f: Format) -> str | None:
-    if f.word_coded:
+    if f.coding == "words":
         return f"{f.bits}-bit codes in {f.dtype}"
     return _scales_per_block(f)
 

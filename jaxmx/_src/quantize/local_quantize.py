@@ -34,15 +34,15 @@ from jaxmx._src.core.blocks import padded_shape
 from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
-from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.quantize import quantize
+from jaxmx._src.quantize.scales import rule_of
 
 
 def local_quantize(w: jax.Array, fmt: str, scale_mode: str, tile: tuple[int, int]) -> MXArray:
     """``quantize(w, fmt, axis=-1, scale_mode=scale_mode, tile=tile)`` of ``w`` [..., N, K],
     each device quantizing its own whole tiles (NVFP4: with the tensor scale of all of ``w``)."""
     f = get_format(fmt)
-    g = nvfp4.tensor_scale(w) if f.has_global_scale else None
+    g = rule_of(f).tensor_scale(w)
     args = (w,) if g is None else (w, g.reshape((1,) * w.ndim))
     data, scale = _partitioned(fmt, scale_mode, tuple(tile), w.shape, g is not None)(*args)
     return MXArray(

@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxmx._src.core import bits, ieee_arithmetic, minifloat_codec, wire
+from jaxmx._src.core import bits, ieee_arithmetic, wire
 from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
@@ -52,8 +52,7 @@ from jaxmx._src.core.reductions import in_one_step
 from jaxmx._src.core.sizes import ceil_div
 from jaxmx._src.core.swizzle import COL_TILE, ROW_TILE
 from jaxmx._src.core.vma import vary_like
-from jaxmx._src.quantize import nvfp4
-from jaxmx._src.quantize.codec import encode, to_grid
+from jaxmx._src.quantize.codec import codec_of, to_grid
 from jaxmx._src.quantize.impl import PALLAS_TILE as TILE
 from jaxmx._src.quantize.rounding import uniform_noise
 from jaxmx._src.quantize.scales import rule_of
@@ -98,8 +97,8 @@ def _kernel(body, interpret: bool):
 def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpret: bool):
     """(codes, scales, tensor scale or None) of :func:`jaxmx.quantize` by the kernels (checked
     arguments; ``g``: NVFP4's checked ``global_scale``, None to compute it)."""
-    if f.has_global_scale and g is None:
-        g = nvfp4.tensor_scale(x)
+    if g is None:
+        g = rule_of(f).tensor_scale(x)
     outer, size = math.prod(x.shape[:axis]), x.shape[axis]
     inner = math.prod(x.shape[axis + 1 :])
     if tile is not None:  # [outer, R, C] slabs, one scale per tile
@@ -134,7 +133,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
     ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
     m, k = x.shape
     nb_k, nb_m = ceil_div(k, f.block), ceil_div(m, f.block)
-    g = nvfp4.tensor_scale(x) if f.has_global_scale else None
+    g = rule_of(f).tensor_scale(x)
     row_key, col_key = copy_keys
     noise = (None, None)
     if row_key is not None:
@@ -297,10 +296,7 @@ def _quantize_tile(v, f: Format, scale_mode: str, block, noise, g):
         scale, values, _ = rule_of(f).scaled(xb, f, scale_mode, draws, g)
     # rounded in float arithmetic first: the integer encode's `round` has no Triton lowering
     on_grid = to_grid(values, f)
-    if f.byte_coded:  # bytes: Triton stores uint8 on every GPU, fp8 types only on some
-        codes = minifloat_codec.encode_fp8(on_grid, f.mbits, f.emin, on_grid=True, width=f.bits)
-    else:  # on the grid: the cast is exact
-        codes = encode(on_grid, f, on_grid=True)
+    codes = codec_of(f).kernel_codes(on_grid, f)
     (t0, t1), (r, c) = v.shape, block
     return _from_blocks(codes, v.shape, block), scale.reshape(t0 // r, t1 // c)
 
@@ -344,7 +340,7 @@ def _out_struct(shape, dtype, like):
 
 
 def _code_dtype(f: Format):
-    return jnp.uint8 if f.byte_coded else f.dtype
+    return codec_of(f).kernel_dtype(f)
 
 
 def _scale_dtype(f: Format):
@@ -354,7 +350,7 @@ def _scale_dtype(f: Format):
 
 def _as_codes(data: jax.Array, f: Format) -> jax.Array:
     """The kernels' element output as ``f``'s dtype (fp8 codes come out as bytes)."""
-    return wire.from_bytes(data, f.dtype) if f.byte_coded else data
+    return codec_of(f).from_kernel(data, f)
 
 
 def _beyond_zeroed(scale, tile_index, limits):

@@ -161,6 +161,10 @@ class ScaleRule(abc.ABC):
         """The stored scales of :meth:`scaled`'s scale codes (float32 scales: as they are)."""
         return codes
 
+    def tensor_scale(self, x: jax.Array) -> jax.Array | None:
+        """The tensor scale the kind computes for ``x``, where it has one (here: None)."""
+        return None
+
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` times the tensor scale, where the kind has one (here: none)."""
         return out
@@ -282,6 +286,10 @@ class _TensorScaledE4M3Rule(ScaleRule):
 
     def decoded(self, values: jax.Array, scale: jax.Array) -> jax.Array:
         return values * nvfp4.block_scales(scale)  # code * s: exact
+
+    def tensor_scale(self, x: jax.Array) -> jax.Array:
+        """:func:`~jaxmx._src.quantize.nvfp4.tensor_scale` of ``x``."""
+        return nvfp4.tensor_scale(x)
 
     def with_tensor_scale(self, out: jax.Array, g) -> jax.Array:
         """``out`` times ``g``, rounded as IEEE float32 (one ``g`` per leading vmap dim)."""

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmx._src.core import wire
 from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import FLOAT_DTYPES
 from jaxmx._src.core.formats import SAVE_FORMATS, Format, check_scale_mode, get_format
 from jaxmx._src.core.mxarray import MXArray
+from jaxmx._src.quantize.codec import codec_of
 from jaxmx._src.quantize.quantize import dequantize, quantize
 
 SAVED_QUANTIZED = "jaxmx_saved_quantized"
@@ -175,7 +175,7 @@ def _checked_input(x, i: int) -> jax.Array:
 def _saved(x, f: Format, axis: int, scale_mode: str) -> tuple[jax.Array, jax.Array]:
     """The codes (as unsigned integers; E5M6 packed) and scales kept for ``x``."""
     q = quantize(x, f.name, axis=axis, scale_mode=scale_mode)
-    codes = wire.pack_twelve(q.data) if f.word_coded else wire.as_bytes(q.data)
+    codes = codec_of(f).as_bytes(q.data)
     return checkpoint_name(codes, SAVED_QUANTIZED), checkpoint_name(q.scale, SAVED_QUANTIZED)
 
 
@@ -183,9 +183,6 @@ def _decoded(saved, f: Format, shape, dtype, axis: int) -> jax.Array:
     codes, scale = saved
     padded = list(shape)
     padded[axis] = scale.shape[axis] * f.block
-    if f.word_coded:
-        data = wire.unpack_twelve(codes, tuple(padded))
-    else:
-        data = wire.from_bytes(codes, f.dtype)
+    data = codec_of(f).from_bytes(codes, f, tuple(padded))
     q = MXArray(data=data, scale=scale, fmt=f.name, axis=axis, shape=tuple(shape))
     return dequantize(q, dtype)

@@ -50,6 +50,29 @@ def _kv_cache(f: Format) -> str | None:
     return _scales_per_block(f)
 
 
+def _fsdp(f: Format) -> str | None:
+    """A gathered weight's scales must not depend on shards the gather joins."""
+    if f.span == "row":
+        return "one scale per row (not reduced across shards)"
+    if f.has_global_scale:
+        return "a tensor scale over the gathered weight"
+    return None
+
+
+def _expert_dispatch(f: Format) -> str | None:
+    """The dispatch sends each token's codes as bytes, with the token's own scales."""
+    if f.storage_bits != 8:
+        return "codes that are not whole bytes"
+    if f.has_global_scale:
+        return "a tensor scale, which has no per-token form"
+    return None
+
+
+def _block_statistics(f: Format) -> str | None:
+    """The per-block statistics read E8M0 block scales, or NVFP4's E4M3 ones."""
+    return None if f.has_block_statistics else "float32 scales"
+
+
 def _native(f: Format) -> str | None:
     if f.gemm is None:  # cuBLASLt documents FP8 and FP4 block-scaled operands only
         return "no cuBLASLt GEMM takes it"
@@ -81,6 +104,21 @@ FEATURES = {
         title="KV cache",
         what="`jaxmx.KVCache` (tokens written a step at a time)",
         missing=_kv_cache,
+    ),
+    "fsdp": Feature(
+        title="FSDP gathers",
+        what="8-bit weight gathers: `jaxmx.fsdp_dot_general`",
+        missing=_fsdp,
+    ),
+    "expert_dispatch": Feature(
+        title="expert dispatch",
+        what="8-bit token dispatch: `jaxmx.expert_parallel_ffn`",
+        missing=_expert_dispatch,
+    ),
+    "block_statistics": Feature(
+        title="block statistics",
+        what="`jaxmx.diagnostics.block_stats` and the GEMM telemetry",
+        missing=_block_statistics,
     ),
     "requantize": Feature(
         title="requantize",

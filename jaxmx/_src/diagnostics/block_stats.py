@@ -24,6 +24,7 @@ from jaxmx._src.core.checks import normalize_axis
 from jaxmx._src.core.dtypes import as_float_array
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import Format, check_scale_mode, get_format
+from jaxmx._src.core.support import lacks
 from jaxmx._src.gemm.matmul import matmul
 from jaxmx._src.quantize import nvfp4
 from jaxmx._src.quantize.codec import decode_elements, scale_exponent_bytes
@@ -142,10 +143,10 @@ def block_stats(
     bits, so subnormal inputs are classified exactly on every platform.
     """
     f = get_format(fmt)
-    if not f.has_block_statistics:
+    if missing := lacks(f, "block_statistics"):
         raise ValueError(
-            f"block_stats covers the MX formats (E8M0 scales) and NVFP4, not {f.name}; see "
-            "docs/diagnostics.md"
+            f"block_stats covers the MX formats (E8M0 scales) and NVFP4, not {f.name} "
+            f"({missing}); see docs/diagnostics.md"
         )
     scale_mode = check_scale_mode(scale_mode, f)
     x = as_float_array(x, "block_stats: x")

@@ -58,6 +58,7 @@ from jax import lax
 from jaxmx._src.core.explicit_axes import on_explicit_axes
 from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.recipes import Recipe
+from jaxmx._src.core.support import lacks
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.diagnostics.block_stats import NAN_SCALE_EXP, BlockStats, block_stats
 from jaxmx._src.training.scope import Leg, Tap, observing
@@ -197,8 +198,7 @@ class Telemetry:
                 "scan, vmap, jit, ...) nested in the telemetry block, whose values cannot leave "
                 "it; enter the block inside that transformation, or call the GEMM outside it"
             )
-        formats = [get_format(f) for f in (recipe.fwd, recipe.grad)]
-        if not all(f.has_block_statistics for f in formats):
+        if any(lacks(get_format(f), "block_statistics") for f in (recipe.fwd, recipe.grad)):
             raise ValueError(
                 f"jaxmx.diagnostics.telemetry covers MX and NVFP4 recipes; this GEMM's formats "
                 f"are {recipe.fwd} / {recipe.grad}"

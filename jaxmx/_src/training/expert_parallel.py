@@ -63,6 +63,7 @@ from jaxmx._src.core.formats import get_format
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.sizes import round_up
+from jaxmx._src.core.support import lacks
 from jaxmx._src.quantize.quantize import quantize
 from jaxmx._src.training.grouped import grouped_recipe
 from jaxmx._src.training.ragged import quantized_ragged_dot, ragged_dot
@@ -205,15 +206,11 @@ def _check_shapes(x, expert_ids, gates, w_in, w_out, capacity) -> None:
 
 
 def _check_wire_format(fmt: str) -> None:
-    """A NotImplementedError for formats whose codes are not whole bytes or that have a tensor
-    scale (NVFP4: one per device would differ from one device's)."""
-    f = get_format(fmt)
-    if jnp.dtype(f.dtype).itemsize != 1 or jnp.dtype(f.dtype).name.startswith("float4"):
-        raise NotImplementedError(
-            f"{_WHERE}: the dispatch sends 8-bit codes; {fmt} codes are not whole bytes"
-        )
-    if f.has_global_scale:
-        raise NotImplementedError(f"{_WHERE}: {fmt}'s tensor scale has no per-token form")
+    """A NotImplementedError for formats the dispatch cannot send (:mod:`~jaxmx._src.core.support`:
+    codes that are not whole bytes; a tensor scale, where one per device would differ from one
+    device's)."""
+    if missing := lacks(get_format(fmt), "expert_dispatch"):
+        raise NotImplementedError(f"{_WHERE}: the dispatch sends 8-bit codes; {fmt} has {missing}")
 
 
 def _by_device(rows: jax.Array, n: int) -> jax.Array:

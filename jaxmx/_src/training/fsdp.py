@@ -45,6 +45,7 @@ from jaxmx._src.core.mxarray_layouts import along, swap_last_axes
 from jaxmx._src.core.mxbits import from_bits as mx_from_bits
 from jaxmx._src.core.recipes import MXFP8, Recipe, check_recipe
 from jaxmx._src.core.reductions import max_along
+from jaxmx._src.core.support import lacks
 from jaxmx._src.core.vma import varying_axes
 from jaxmx._src.gemm.gathered import all_gathered
 from jaxmx._src.quantize.codec import encode
@@ -181,11 +182,10 @@ def _whole(x, axis_name: str):
 
 def _check_recipe(r: Recipe) -> None:
     for fmt in (r.fwd, r.grad):
-        f = get_format(fmt)
-        if f.span == "row" or f.has_global_scale:
+        if missing := lacks(get_format(fmt), "fsdp"):
             raise ValueError(
-                f"{_WHERE}: the format {fmt!r} has a scale per row or a tensor scale over the "
-                "gathered weight, which this helper does not reduce across shards; use 1-D "
+                f"{_WHERE}: the format {fmt!r} has {missing}, which this helper does not "
+                "reduce across shards; use 1-D "
                 "block, tiled or per-tensor recipes, or jaxmx.dot_general under jax.jit with "
                 "the weight's NamedSharding"
             )

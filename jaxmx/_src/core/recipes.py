@@ -255,18 +255,11 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
     fs = [get_format(f) for f in formats]
     names = " x ".join(f.name for f in fs)
     for f in fs:
-        if f.element_dtype is not None or f.is_integer:
+        if missing := lacks(f, "xla"):
             return (
-                f"{names}: {f.name}'s elements have no XLA element type for lax.scaled_dot "
-                "(FP6 codes are held in uint8, XLA rejects the float6 dtypes; MXINT8's int8 codes "
-                "carry an implicit 2^-6); use backend='emulate' or 'auto'"
+                f"{names}: {f.name} has {missing}; lax.scaled_dot does not take it (use "
+                "backend='emulate' or 'auto')"
             )
-    spans = [f for f in fs if f.span != "block"]
-    if spans:
-        return (
-            f"{names}: {spans[0].name} has one scale per {spans[0].span}; lax.scaled_dot takes "
-            "block scales only (use backend='emulate' or 'auto')"
-        )
     if len({f.scale_kind.name for f in fs}) != 1 or len({f.block for f in fs}) != 1:
         return (
             f"{names} mixes scale kinds or block sizes; it takes pairs of one scale kind and "

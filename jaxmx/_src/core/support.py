@@ -73,6 +73,17 @@ def _block_statistics(f: Format) -> str | None:
     return None if f.has_block_statistics else "float32 scales"
 
 
+def _scaled_dot(f: Format) -> str | None:
+    """``lax.scaled_dot`` takes XLA element types and block scales."""
+    if not f.gemm_operand:
+        return "a storage-only format"
+    if f.is_integer:
+        return f"elements with no XLA element type ({f.dtype} codes carry an implicit 2^-{f.mbits})"
+    if f.element_dtype is not None:
+        return f"elements with no XLA element type ({f.bits}-bit codes held in {f.dtype})"
+    return _scales_per_block(f)
+
+
 def _native(f: Format) -> str | None:
     if f.gemm is None:  # cuBLASLt documents FP8 and FP4 block-scaled operands only
         return "no cuBLASLt GEMM takes it"
@@ -84,6 +95,11 @@ FEATURES = {
         title="native GEMM",
         what="a cuBLASLt GEMM (`backend='ffi'`, or `'auto'` on a GPU that runs it)",
         missing=_native,
+    ),
+    "xla": Feature(
+        title="`backend='xla'`",
+        what="XLA's block-scaled dot, `lax.scaled_dot` (pairs of one scale kind and block)",
+        missing=_scaled_dot,
     ),
     "tiles": Feature(
         title="2-D tiles",

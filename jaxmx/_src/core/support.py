@@ -44,14 +44,23 @@ def _pallas(f: Format) -> str | None:
     return _scales_per_block(f)
 
 
+def _gemm(f: Format) -> str | None:
+    """A GEMM takes every format but the storage-only ones."""
+    return None if f.gemm_operand else "a storage-only format"
+
+
+def _grouped(f: Format) -> str | None:
+    return _gemm(f) or _scales_per_block(f)
+
+
 def _kv_cache(f: Format) -> str | None:
-    if not f.gemm_operand:  # attention reads the cache through a GEMM
-        return "a storage-only format"
-    return _scales_per_block(f)
+    return _gemm(f) or _scales_per_block(f)  # attention reads the cache through a GEMM
 
 
 def _fsdp(f: Format) -> str | None:
     """A gathered weight's scales must not depend on shards the gather joins."""
+    if missing := _gemm(f):
+        return missing
     if f.span == "row":
         return "one scale per row (not reduced across shards)"
     if f.has_global_scale:
@@ -61,6 +70,8 @@ def _fsdp(f: Format) -> str | None:
 
 def _expert_dispatch(f: Format) -> str | None:
     """The dispatch sends each token's codes as bytes, with the token's own scales."""
+    if missing := _gemm(f):
+        return missing
     if f.storage_bits != 8:
         return "codes that are not whole bytes"
     if f.has_global_scale:
@@ -75,8 +86,8 @@ def _block_statistics(f: Format) -> str | None:
 
 def _scaled_dot(f: Format) -> str | None:
     """``lax.scaled_dot`` takes XLA element types and block scales."""
-    if not f.gemm_operand:
-        return "a storage-only format"
+    if missing := _gemm(f):
+        return missing
     if f.is_integer:
         return f"elements with no XLA element type ({f.dtype} codes carry an implicit 2^-{f.mbits})"
     if f.element_dtype is not None:
@@ -114,7 +125,7 @@ FEATURES = {
     "grouped": Feature(
         title="grouped GEMM",
         what="`jaxmx.ragged_dot` (each group's weight-gradient blocks its own)",
-        missing=_scales_per_block,
+        missing=_grouped,
     ),
     "kv_cache": Feature(
         title="KV cache",

@@ -1,10 +1,10 @@
 """Where the package branches on a format's kind, checked from its source (docs/architecture.md).
 
 A format's kind (its scale kind, span, element coding, tensor scale, ...) decides behaviour in
-the format table (``core/formats.py``, ``core/scale_kinds.py``), the scale rules
-(``quantize/scales.py``), the element codecs (``quantize/codec.py``, through
-``Format.coding``), the support table (``core/support.py``) and the dispatcher
-(``gemm/dispatch.py``). Elsewhere a condition that reads one (``if f.span == "row"``, ``x if
+the format table (``core/formats.py``), the scale rules (``quantize/scales.py``: one object per
+scale kind), the support table (``core/support.py``) and the dispatcher (``gemm/dispatch.py``);
+the element codecs (``quantize/codec.py``) are chosen by ``Format.coding`` without a condition.
+Elsewhere a condition that reads one (``if f.span == "row"``, ``x if
 f.is_mx else y``) is allowed only where :data:`ALLOWED` lists it, with the reason it is not a
 method of one of those objects. A new branch on a kind fails here: give the object a method
 (or the support table a feature) instead, or list it with its reason.
@@ -40,10 +40,8 @@ KIND_ATTRIBUTES = frozenset(
 WHERE_KINDS_DECIDE = frozenset(
     {
         "core/formats.py",
-        "core/scale_kinds.py",
         "core/support.py",
         "quantize/scales.py",
-        "quantize/codec.py",
         "gemm/dispatch.py",
     }
 )

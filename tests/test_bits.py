@@ -70,6 +70,26 @@ def test_ldexp_rounded_is_the_exact_product_rounded_once():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_times_pow2_is_the_exact_product_rounded_once():
+    """Zeros, normal float32 across the whole range, inf and NaN times 2^k for k in
+    [-254, 254], against numpy's float64 product rounded once to float32: normal, subnormal
+    (ties, carries into 2^-126) and overflowing results."""
+    rng = np.random.default_rng(1)
+    normal = rng.standard_normal(20000) * np.ldexp(1.0, rng.integers(-126, 128, 20000))
+    edge = [0.0, -0.0, np.inf, -np.inf, np.nan, 5.0, 3.0, 2.0**24 - 1, 1.5, -2.5]
+    edge += [np.finfo(np.float32).max, -np.finfo(np.float32).max, 2.0**-126, -(2.0**-126)]
+    with np.errstate(over="ignore"):
+        x = np.concatenate([normal.astype(np.float32), np.array(edge, np.float32)])
+    x = x[~(np.abs(x) < 2.0**-126) | (x == 0)]  # no subnormal x: a dot on XLA:CPU gives none
+    k = rng.integers(-254, 255, x.size).astype(np.int32)
+    k[-14:] = [-151, -150, -149 - 24, -150, -150, 0, 254, -254, -254, 254, -254, 254, -1, -1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = (x.astype(np.float64) * np.ldexp(1.0, k)).astype(np.float32)
+    got = np.asarray(jax.jit(_exponents.times_pow2)(x, k))
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (x[~same][:5], k[~same][:5], got[~same][:5], want[~same][:5])
+
+
 @pytest.mark.parametrize(
     "x, y",
     [

@@ -117,7 +117,7 @@ def rescaled(out: jax.Array, a_shift: jax.Array, b_shift: jax.Array, a, b) -> ja
     if not shift:
         return out
     # in [-254, 254]; one rounding, subnormal results kept (no flushing)
-    return exponents.ldexp_rounded(out, functools.reduce(jnp.add, shift))
+    return exponents.times_pow2(out, functools.reduce(jnp.add, shift))
 
 
 def with_tensor_scales(out: jax.Array, a, b) -> jax.Array:

@@ -22,7 +22,16 @@ from jaxmx._src.core.formats import Format
 class ElementCodec:
     """How one :attr:`~jaxmx._src.core.formats.Format.coding` turns float32 values into element
     codes and back. This base class is the ``"cast"`` coding (a dtype XLA casts to: E2M1); the
-    subclasses override what their coding does differently."""
+    subclasses override what their coding does differently.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxmx._src.core.formats import get_format
+        >>> f = get_format("mxint8")
+        >>> codec = codec_of(f)
+        >>> codec.encode(jnp.array([0.3, -1.0]), f).tolist()    # integers in units of 2^-6
+        [19, -64]
+    """
 
     def encode(self, values: jax.Array, f: Format, on_grid: bool = False) -> jax.Array:
         """RNE cast of in-range float32 values to the element codes (``on_grid``: the values

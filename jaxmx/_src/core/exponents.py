@@ -34,7 +34,7 @@ E8M0_NAN = 0xFF
 def pow2(k: jnp.ndarray) -> jnp.ndarray:
     """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
     k = k.astype(jnp.int32)
-    normal = from_bits(jnp.clip(k + EXPONENT_BIAS, 1, 255) << MANTISSA_BITS)
+    normal = _normal_pow2(jnp.clip(k, 1 - EXPONENT_BIAS, EXPONENT_BIAS + 1))  # 2^128: inf
     return where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
 
 
@@ -169,8 +169,9 @@ def times_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     first = jnp.clip(k, -126, 127)
     second = jnp.clip(k - first, -126, 127)
     normal = x * _normal_pow2(first) * _normal_pow2(second) * _normal_pow2(k - first - second)
-    # a subnormal result: |x| in units of 2^-149, below 2^23 (exact unless below 2^-126, where
-    # the result rounds to zero anyway; k + 149 - up is in [0, 21]), rounded to an integer
+    # a subnormal result (k <= 0 there): |x| in units of 2^-149, below 2^23 (exact unless
+    # below 2^-126, where the result rounds to zero anyway; k + 149 - up is then in [0, 22]),
+    # rounded to an integer
     up = jnp.clip(k + 149, -126, 127)
     units = from_bits(x_bits & 0x7FFFFFFF) * _normal_pow2(up) * _normal_pow2(k + 149 - up)
     units = lax.round(units, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
@@ -179,5 +180,6 @@ def times_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
 
 
 def _normal_pow2(k: jnp.ndarray) -> jnp.ndarray:
-    """``2.0**k`` for integer ``k`` in [-126, 127] (a normal float32), from its bits."""
+    """``2.0**k`` for integer ``k`` in [-126, 127] (a normal float32; 128 gives inf), from its
+    bits."""
     return from_bits((k + EXPONENT_BIAS) << MANTISSA_BITS)

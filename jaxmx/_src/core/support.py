@@ -44,23 +44,14 @@ def _pallas(f: Format) -> str | None:
     return _scales_per_block(f)
 
 
-def _gemm(f: Format) -> str | None:
-    """A GEMM takes every format but the storage-only ones."""
-    return None if f.gemm_operand else "a storage-only format"
-
-
-def _grouped(f: Format) -> str | None:
-    return _gemm(f) or _scales_per_block(f)
-
-
-def _kv_cache(f: Format) -> str | None:
-    return _gemm(f) or _scales_per_block(f)  # attention reads the cache through a GEMM
+def _through_a_gemm(missing: Callable[[Format], str | None]) -> Callable[[Format], str | None]:
+    """``missing`` for a feature that runs a GEMM, which takes every format but the
+    storage-only ones."""
+    return lambda f: "a storage-only format" if not f.gemm_operand else missing(f)
 
 
 def _fsdp(f: Format) -> str | None:
     """A gathered weight's scales must not depend on shards the gather joins."""
-    if missing := _gemm(f):
-        return missing
     if f.span == "row":
         return "one scale per row (not reduced across shards)"
     if f.has_global_scale:
@@ -70,8 +61,6 @@ def _fsdp(f: Format) -> str | None:
 
 def _expert_dispatch(f: Format) -> str | None:
     """The dispatch sends each token's codes as bytes, with the token's own scales."""
-    if missing := _gemm(f):
-        return missing
     if f.storage_bits != 8:
         return "codes that are not whole bytes"
     if f.has_global_scale:
@@ -86,8 +75,6 @@ def _block_statistics(f: Format) -> str | None:
 
 def _scaled_dot(f: Format) -> str | None:
     """``lax.scaled_dot`` takes XLA element types and block scales."""
-    if missing := _gemm(f):
-        return missing
     if f.is_integer:
         return f"elements with no XLA element type ({f.dtype} codes carry an implicit 2^-{f.mbits})"
     if f.element_dtype is not None:
@@ -110,7 +97,7 @@ FEATURES = {
     "xla": Feature(
         title="`backend='xla'`",
         what="XLA's block-scaled dot, `lax.scaled_dot` (pairs of one scale kind and block)",
-        missing=_scaled_dot,
+        missing=_through_a_gemm(_scaled_dot),
     ),
     "tiles": Feature(
         title="2-D tiles",
@@ -125,22 +112,22 @@ FEATURES = {
     "grouped": Feature(
         title="grouped GEMM",
         what="`jaxmx.ragged_dot` (each group's weight-gradient blocks its own)",
-        missing=_grouped,
+        missing=_through_a_gemm(_scales_per_block),
     ),
     "kv_cache": Feature(
         title="KV cache",
         what="`jaxmx.KVCache` (tokens written a step at a time)",
-        missing=_kv_cache,
+        missing=_through_a_gemm(_scales_per_block),  # attention reads it through a GEMM
     ),
     "fsdp": Feature(
         title="FSDP gathers",
         what="8-bit weight gathers: `jaxmx.fsdp_dot_general`",
-        missing=_fsdp,
+        missing=_through_a_gemm(_fsdp),
     ),
     "expert_dispatch": Feature(
         title="expert dispatch",
         what="8-bit token dispatch: `jaxmx.expert_parallel_ffn`",
-        missing=_expert_dispatch,
+        missing=_through_a_gemm(_expert_dispatch),
     ),
     "block_statistics": Feature(
         title="block statistics",

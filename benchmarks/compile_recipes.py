@@ -10,6 +10,10 @@ repeats the whole table and keeps each row's smallest CPU time.
 
     python benchmarks/compile_recipes.py                      # the demo's default model
     python benchmarks/compile_recipes.py --recipes mxfp8,nvfp4 --rounds 3
+    python benchmarks/compile_recipes.py --recipes mxfp8 --exact-emulation   # + "mxfp8 exact"
+
+``--exact-emulation`` adds, for each recipe that takes it, a row with
+``Recipe.exact_emulation=True`` (the training GEMMs' exact path).
 """
 
 from __future__ import annotations
@@ -55,6 +59,19 @@ def measure(cfg: Config, recipe) -> dict:
     }
 
 
+def _exact_variants(recipes: dict) -> dict:
+    """``"<name> exact"``: each recipe with ``exact_emulation=True``, where it takes it."""
+    variants = {}
+    for name, recipe in recipes.items():
+        if recipe is None:  # the stock step
+            continue
+        try:
+            variants[f"{name} exact"] = recipe.replace(exact_emulation=True)
+        except ValueError as refusal:  # e.g. a recipe without E8M0 scales
+            print(f"no '{name} exact' row: {refusal}")
+    return variants
+
+
 def _stochastic(recipe) -> bool:
     return recipe is not None and recipe.grad_rounding == "stochastic"
 
@@ -63,11 +80,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--exact-emulation", action="store_true")
     add_size_flags(parser)
     args = parser.parse_args()
     cfg = sized_config(args)
     names = ["stock bf16", *args.recipes.split(",")]
     recipes = {n: None if n == "stock bf16" else get_recipe(n) for n in names}
+    if args.exact_emulation:
+        recipes.update(_exact_variants(recipes))
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for name, recipe in recipes.items():

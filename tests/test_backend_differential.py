@@ -29,6 +29,7 @@ from hard_gemm_inputs import (
 import jaxmx
 from jaxmx._src.gemm.dispatch import Gemm, kernels
 from jaxmx._src.gemm.kernels import execute
+from jaxmx._src.training.contract import gemm
 
 BACKENDS = ("emulate", "xla", "ffi")
 MX_PAIRS = (
@@ -206,3 +207,52 @@ def test_fp8_block_pow2_training_gemms_under_xla_equal_the_emulation_on_extreme_
         partial_overflow=False,
     )
     assert not bad, bad[:4]
+
+
+@functools.cache
+def _training_gemm(formats: tuple[str, str], exact_emulation: bool):
+    recipe = jaxmx.Recipe(
+        fwd=formats[0], grad=formats[1], backend="emulate", exact_emulation=exact_emulation
+    )
+    return jax.jit(lambda a, b: gemm(recipe, a, b, jnp.float32))
+
+
+@pytest.mark.parametrize("formats", MX_PAIRS, ids=_ids(MX_PAIRS))
+def test_training_gemms_with_exact_emulation_are_exact(formats):
+    """The training GEMM (the runner ``dot_general``, ``fsdp_dot_general`` and the expert path
+    call) of a recipe with ``exact_emulation=True`` on the cases whose scales span wide
+    (compensating across the operands, full range, a dominant block deep in its row): within
+    the bound, as ``jaxmx.matmul``."""
+    names, a, b, x, y = mx_group(formats, "wide")
+    result = np.asarray(_training_gemm(formats, True)(a, b))
+    bad = problems(result, x, y, names, partial_overflow=False)
+    assert not bad, f"{len(bad)} entries off the bound:\n" + "\n".join(bad[:12])
+
+
+def test_the_training_frame_alone_loses_compensating_scales():
+    """Without ``exact_emulation`` the training GEMM keeps the row-relative frame, which loses
+    the products of compensating scales (the exception docs/native.md states)."""
+    names, a, b, x, y = mx_group(("mxfp8_e4m3", "mxfp8_e4m3"), "wide")
+    result = np.asarray(_training_gemm(("mxfp8_e4m3", "mxfp8_e4m3"), False)(a, b))
+    bad = problems(result, x, y, names, partial_overflow=False)
+    assert any(line.startswith("compensating") for line in bad), bad[:4]
+
+
+def test_dot_general_with_exact_emulation_keeps_compensating_products():
+    """End to end: ``jaxmx.dot_general`` of rows whose blocks sit at ``2^73`` and ``2^-67``
+    against rows at ``2^-67`` and ``2^73`` (each block ``2^h`` once and ``2^(h-8)``, exact in
+    E4M3): the float64 product with ``exact_emulation``, none of it without."""
+
+    def row(high, low):
+        blocks = [np.full(32, 2.0 ** (e - 8)) for e in (high, low)]
+        blocks[0][0], blocks[1][0] = 2.0**high, 2.0**low
+        return np.concatenate(blocks)
+
+    x = np.stack([row(73, -67)] * 2).astype(np.float32)
+    w = np.stack([row(-67, 73)] * 3).astype(np.float32)
+    want = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)  # 128.0605...
+    dims = (((1,), (1,)), ((), ()))
+    for exact, expected in ((True, want), (False, np.zeros_like(want))):
+        recipe = jaxmx.recipes.MXFP8.replace(backend="emulate", exact_emulation=exact)
+        got = jaxmx.dot_general(jnp.asarray(x), jnp.asarray(w), dims, recipe=recipe)
+        np.testing.assert_array_equal(np.asarray(got), expected)

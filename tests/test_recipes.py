@@ -72,3 +72,35 @@ def test_check_accumulation_returns_the_accumulator():
 def test_check_accumulation_refuses_an_unknown_backend_as_check_backend_does():
     with pytest.raises(ValueError, match="unknown backend 'cublas'"):
         check_accumulation(14, None, ("mxfp8_e4m3",), "cublas", "jaxmx.matmul")
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            dict(fwd="nvfp4", grad="nvfp4", scale_mode="e4m3"),
+            "nvfp4 has no E8M0 scales .*, and so has nvfp4",
+        ),
+        (
+            dict(fwd="fp8_e4m3_block", grad="fp8_e4m3_block", scale_mode="pow2"),
+            "fp8_e4m3_block has no E8M0 scales",
+        ),
+        (dict(backend="ffi"), "backend='ffi' is exact"),
+        (dict(backend="xla"), "backend='xla' is exact"),
+        (dict(accum_bits=14), "accum_bits models the accumulator"),
+    ],
+)
+def test_exact_emulation_is_refused_where_it_would_do_nothing(settings, message):
+    with pytest.raises(ValueError, match=f"exact_emulation=True would do nothing: {message}"):
+        jaxmx.Recipe(exact_emulation=True, **settings)
+
+
+def test_exact_emulation_takes_a_bool():
+    with pytest.raises(TypeError, match="exact_emulation must be True or False, got 1"):
+        jaxmx.Recipe(exact_emulation=1)
+    assert jaxmx.recipes.MXFP8_HYBRID.replace(exact_emulation=True).exact_emulation
+
+
+def test_ragged_dot_refuses_exact_emulation():
+    with pytest.raises(NotImplementedError, match="exact_emulation is not available for grouped"):
+        jaxmx.grouped_recipe(jaxmx.recipes.MXFP8.replace(exact_emulation=True))

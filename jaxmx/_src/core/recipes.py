@@ -110,6 +110,15 @@ class Recipe:
             product of the unquantized output gradient and lhs (torchao's
             ``rowwise_with_gw_hp``); the lhs is then saved in high precision for the backward
             pass whatever ``residuals`` says (the rhs as ``residuals`` says).
+        exact_emulation: ``True``: the emulated training GEMMs check their operands' E8M0
+            block scales and take the exact path where those span more than the row-relative
+            frame keeps, as :func:`jaxmx.matmul` always does: exact (up to float32 summation)
+            for every pair of scale rows, at about twice the step's compile time.
+            ``False`` (default): the frame only, which loses the products of blocks lying
+            together more than about ``2^100`` below their rows' largest blocks
+            (docs/native.md). It needs a format with E8M0 scales, ``backend`` ``"auto"`` or
+            ``"emulate"`` (``"ffi"`` and ``"xla"`` are exact there already) and float32
+            accumulation (no ``accum_bits``).
 
     Every field is keyword-only: ``Recipe(grad="mxfp8_e5m2")``, not ``Recipe("mxfp8_e4m3", ...)``.
     """
@@ -126,6 +135,7 @@ class Recipe:
     rht: bool = False
     rht_seed: int = 0
     wgrad: str = "quantized"
+    exact_emulation: bool = False
 
     def __post_init__(self):
         fwd = check_gemm_operand(get_format(self.fwd), "Recipe.fwd")
@@ -162,6 +172,12 @@ class Recipe:
         problem = self.backend == "xla" and scaled_dot_problem((fwd, grad), self.scale_mode)
         if problem:
             raise ValueError(f"Recipe(backend='xla'): {problem}")
+        if not isinstance(self.exact_emulation, bool):
+            raise TypeError(
+                f"Recipe.exact_emulation must be True or False, got {self.exact_emulation!r}"
+            )
+        if self.exact_emulation and (problem := _exact_emulation_problem(self, (fwd, grad))):
+            raise ValueError(f"Recipe.exact_emulation=True would do nothing: {problem}")
 
     @property
     def accumulation(self) -> Accumulation | None:
@@ -272,6 +288,19 @@ def scaled_dot_problem(formats: Sequence[str | Format], scale_mode: str | None) 
             "FP8 only as quantized by a recipe with scale_mode='pow2' (jaxmx.recipes."
             "FP8_BLOCK_POW2), run as its MXFP8 twin"
         )
+    return ""
+
+
+def _exact_emulation_problem(r: Recipe, formats: tuple[Format, Format]) -> str:
+    """Why ``exact_emulation=True`` changes nothing for ``r``, or ``""``: only the emulation of
+    E8M0-scaled operands, with float32 accumulation, has a row-relative frame to leave."""
+    missing = [lacks(f, "exact_emulation") for f in formats]
+    if all(missing):
+        return f"{formats[0].name} has {missing[0]}, and so has {formats[1].name}"
+    if r.backend not in ("auto", "emulate"):
+        return f"backend={r.backend!r} is exact for every pair of scale rows already"
+    if r.accum_bits is not None:
+        return "accum_bits models the accumulator, which the exact path does not"
     return ""
 
 

@@ -82,6 +82,12 @@ def _scaled_dot(f: Format) -> str | None:
     return _scales_per_block(f)
 
 
+def _row_relative_frame(f: Format) -> str | None:
+    """The emulation decodes E8M0-scaled rows relative to their largest block: a frame that
+    ``Recipe(exact_emulation=True)`` lets the training GEMMs leave where it drops products."""
+    return None if f.scale_kind.pow2 else "no E8M0 scales (its emulation keeps no frame)"
+
+
 def _native(f: Format) -> str | None:
     if f.gemm is None:  # cuBLASLt documents FP8 and FP4 block-scaled operands only
         return "no cuBLASLt GEMM takes it"
@@ -133,6 +139,11 @@ FEATURES = {
         title="block statistics",
         what="`jaxmx.diagnostics.block_stats` and the GEMM telemetry",
         missing=_block_statistics,
+    ),
+    "exact_emulation": Feature(
+        title="`exact_emulation`",
+        what="`Recipe(exact_emulation=True)`: the training GEMMs' exact path for wide scale spans",
+        missing=_through_a_gemm(_row_relative_frame),
     ),
     "requantize": Feature(
         title="requantize",

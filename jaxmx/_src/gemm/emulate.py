@@ -14,7 +14,8 @@ Where a row's blocks lie so far below its largest that, together with the other 
 a product could leave float32's normal range in that frame (the scales compensating across
 the operands, say), ``exact=True`` (``jaxmx.matmul``) replaces the result with
 :mod:`~jaxmx._src.gemm.blockwise`'s, chosen on the scales: exact (up to float32 summation) for
-every pair of E8M0 scale rows; the training GEMMs keep the frame only.
+every pair of E8M0 scale rows; the training GEMMs keep the frame only, unless the recipe
+asks for the exact path (``Recipe.exact_emulation``).
 Codes in the padding of a K that is not a multiple of the block are ignored, whatever they
 hold.
 
@@ -172,7 +173,8 @@ EMULATE = Kernel(
 """Formats whose products ``code * scale`` are exact, in equal blocks, tiles as wide as the
 block. The training GEMMs run it in its row-relative frame only (``exact=False``: in every MX
 training step the exact path's check and branch would double the compile time and raise the
-step's temporaries above bfloat16's, docs/native.md)."""
+step's temporaries above bfloat16's, docs/native.md), unless the recipe asks for the exact
+path (``Recipe.exact_emulation``: the ``"exact"`` runner)."""
 
 EMULATE_VALUES = Kernel(
     name="emulate_values",

@@ -102,11 +102,12 @@ def quantized_inside(fmt: str, key) -> bool:
     return f.span == "block" and not f.has_global_scale and key is None
 
 
-def gathered_gemm(kernel: Kernel, a, b, out_dtype, forward: bool = False, like=None) -> jax.Array:
+def gathered_gemm(kernel: Kernel, a, b, out_dtype, role: str = "training", like=None) -> jax.Array:
     """The emulated GEMM ``kernel`` (a :class:`~jaxmx._src.gemm.kernels.Kernel` that
     ``gathers_8bit``) of ``a`` and ``b`` (each a :class:`Quantized` operand or an MXArray, with
     one leading batch dim), partitioned so that a gathered operand crosses devices as 8-bit codes
-    and scales.
+    and scales; ``role``: the kernel's runner it partitions
+    (:data:`~jaxmx._src.gemm.kernels.ROLES`).
 
     ``like``: for a weight-gradient GEMM, an array laid out like the weight whose shape is the
     result's; the result's sharding propagates from it alone (see the module docstring). One of
@@ -136,15 +137,15 @@ def gathered_gemm(kernel: Kernel, a, b, out_dtype, forward: bool = False, like=N
     if like is not None and like.shape != (*sides[0].shape[:-2], *rows):
         like = None
     liked = like is not None
-    op = _partitioned(kernel, jnp.dtype(out_dtype), tuple(sides), len(leaves[0]), forward, liked)
+    op = _partitioned(kernel, jnp.dtype(out_dtype), tuple(sides), len(leaves[0]), role, liked)
     return op(*leaves[0], *leaves[1], *((like,) if liked else ()))
 
 
 @functools.cache
 def _partitioned(
-    kernel: Kernel, out_dtype, sides: tuple[_Side, _Side], na: int, forward: bool, liked: bool
+    kernel: Kernel, out_dtype, sides: tuple[_Side, _Side], na: int, role: str, liked: bool
 ):
-    run = kernel.runner("forward" if forward else "training")
+    run = kernel.runner(role)
 
     def operand(side: _Side, arrays, gathers):
         axis = side.axis - len(side.shape)

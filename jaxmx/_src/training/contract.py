@@ -229,7 +229,8 @@ def gemm(
 
     ``forward``: the forward GEMM (the kernels' ``"forward"`` runners: the native per-tensor /
     per-row FP8 GEMM with cuBLASLt's fast accumulation, as TransformerEngine does); the dgrad
-    and wgrad GEMMs run the ``"training"`` ones.
+    and wgrad GEMMs run the ``"training"`` ones. With ``r.exact_emulation`` all three run the
+    ``"exact"`` ones (:func:`jaxmx.matmul`'s).
 
     ``like``: for the wgrad GEMM, an array laid out like the weight, from which a partitioned
     GEMM's result takes its sharding (:func:`~jaxmx._src.gemm.gathered.gathered_gemm`).
@@ -244,10 +245,9 @@ def gemm(
             to_values=True,
         )
     )
+    role = "exact" if r.exact_emulation else "forward" if forward else "training"
     if len(chosen) == 1 and _gathers_8bit(chosen["default"]):
-        return gathered_gemm(
-            chosen["default"], _inside(r, a), _inside(r, b), out_dtype, forward, like
-        )
+        return gathered_gemm(chosen["default"], _inside(r, a), _inside(r, b), out_dtype, role, like)
 
     def operand(kernel: Kernel, q):
         if isinstance(q, MXArray):
@@ -261,7 +261,6 @@ def gemm(
             to_values=kernel.takes_values,
         )
 
-    role = "forward" if forward else "training"
     return execute(chosen, a, b, out_dtype, role=role, accumulation=r.accumulation, prepare=operand)
 
 

@@ -35,7 +35,8 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
     preset of :mod:`jaxmx.recipes` runs as it is. What has no grouped form raises a
     NotImplementedError: the native backend, the ``lax.scaled_dot`` one (it has no grouped
     form), ``accum_bits`` (the modelled accumulator needs the blocked emulation of
-    :func:`jaxmx.matmul`), the per-tensor and per-row formats and ``wgrad="high_precision"``.
+    :func:`jaxmx.matmul`), ``exact_emulation`` (its operands are decoded to float32), the
+    per-tensor and per-row formats and ``wgrad="high_precision"``.
 
     Example:
         >>> import jaxmx
@@ -61,6 +62,12 @@ def grouped_recipe(recipe: Recipe) -> Recipe:
                 f"jaxmx.ragged_dot: {f.name} ({missing}) has no grouped form yet "
                 "(the weight-gradient scales would need one per group); use a block format"
             )
+    if recipe.exact_emulation:
+        raise NotImplementedError(
+            "jaxmx.ragged_dot: Recipe.exact_emulation is not available for grouped GEMMs, "
+            "which multiply float32 decoded operands (no row-relative frame to leave); use a "
+            "recipe without it"
+        )
     if recipe.wgrad != "quantized":
         raise NotImplementedError(
             f"jaxmx.ragged_dot: Recipe.wgrad={recipe.wgrad!r} is not available for grouped "

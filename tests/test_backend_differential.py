@@ -241,7 +241,8 @@ def test_the_training_frame_alone_loses_compensating_scales():
 def test_dot_general_with_exact_emulation_keeps_compensating_products():
     """End to end: ``jaxmx.dot_general`` of rows whose blocks sit at ``2^73`` and ``2^-67``
     against rows at ``2^-67`` and ``2^73`` (each block ``2^h`` once and ``2^(h-8)``, exact in
-    E4M3): the float64 product with ``exact_emulation``, none of it without."""
+    E4M3): the float64 product with ``exact_emulation``, none of it without; and so does
+    ``jaxmx.fsdp_dot_general`` over two devices."""
 
     def row(high, low):
         blocks = [np.full(32, 2.0 ** (e - 8)) for e in (high, low)]
@@ -249,10 +250,20 @@ def test_dot_general_with_exact_emulation_keeps_compensating_products():
         return np.concatenate(blocks)
 
     x = np.stack([row(73, -67)] * 2).astype(np.float32)
-    w = np.stack([row(-67, 73)] * 3).astype(np.float32)
+    w = np.stack([row(-67, 73)] * 64).astype(np.float32)
     want = (x.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32)  # 128.0605...
     dims = (((1,), (1,)), ((), ()))
+    mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     for exact, expected in ((True, want), (False, np.zeros_like(want))):
         recipe = jaxmx.recipes.MXFP8.replace(backend="emulate", exact_emulation=exact)
         got = jaxmx.dot_general(jnp.asarray(x), jnp.asarray(w), dims, recipe=recipe)
         np.testing.assert_array_equal(np.asarray(got), expected)
+
+        def layer(x, w, recipe=recipe):
+            return jaxmx.fsdp_dot_general(
+                x, w, dims, axis_name="fsdp", gather_axis=0, recipe=recipe
+            )
+
+        spec = jax.sharding.PartitionSpec("fsdp")
+        sharded = jax.shard_map(layer, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+        np.testing.assert_array_equal(np.asarray(sharded(x, w)), expected, err_msg="fsdp")

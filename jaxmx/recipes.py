@@ -3,7 +3,7 @@
 Example:
     >>> import jaxmx
     >>> jaxmx.recipes.MXFP8
-    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest', accum_bits=None, promote_every=None, weight_tile=None, rht=False, rht_seed=0, wgrad='quantized')
+    Recipe(fwd='mxfp8_e4m3', grad='mxfp8_e4m3', scale_mode='rceil', backend='auto', residuals='quantized', grad_rounding='nearest', accum_bits=None, promote_every=None, weight_tile=None, rht=False, rht_seed=0, wgrad='quantized', exact_emulation=False)
     >>> jaxmx.Recipe(grad="mxfp8_e5m2") == jaxmx.recipes.MXFP8_HYBRID
     True
     >>> sorted(n for n in jaxmx.recipes.__all__ if n.startswith("FP8"))

@@ -14,6 +14,7 @@ import jaxmx
 import jaxmx.flax.linen as mxl
 from jaxmx import diagnostics
 from jaxmx._src.core import formats
+from jaxmx._src.diagnostics import level_stats
 
 ELEMENTS = {  # element: (dtype, elem_max, emin, the MX twin's emax)
     "fp8_e4m3": (ml_dtypes.float8_e4m3fn, 448.0, -6),
@@ -407,3 +408,26 @@ def test_recipe_mapping_errors():
     default = mxl.quantize_model(MLP(), recipe={"up": jaxmx.recipes.NVFP4, "*": None})
     report = mxl.conversion_report(default, x)
     assert report["up"].recipe == jaxmx.recipes.NVFP4 and report["down"].recipe is None
+
+
+def test_tensors_of_many_small_shapes_share_one_program_and_their_padding_is_not_measured():
+    """Rows and columns are padded to a power of two (at least 256) before measuring: tensors of
+    three shapes compile one program, and their statistics are those of the tensor alone: the
+    fractions and SQNR of the reference on the tensor zero-padded to whole 128-tiles (zeros
+    count in none of them), and one group per scale of the tensor itself."""
+    shapes = [(100, 200), (37, 129), (3, 250)]
+    before = level_stats._measure._cache_size()
+    for i, shape in enumerate(shapes):
+        x = _normal(shape, seed=i) * np.logspace(0, 4, shape[1], dtype=np.float32)
+        g = diagnostics.granularity(jnp.asarray(x), underflow_budget=0.01)
+        m, n = shape
+        groups = {"tensor": 1, "row": m, "128x128": 2, "1x128": m * 2, "mx32": m * -(-n // 32)}
+        whole = np.pad(x, [(0, -m % 128), (0, -n % 128)])
+        for level, stats in g.levels.items():
+            with np.errstate(invalid="ignore"):  # the reference's spans of all-zero groups
+                ref = reference_stats(whole, level, "fp8_e4m3")
+            for field in ("underflow", "flushed"):
+                np.testing.assert_allclose(float(getattr(stats, field)), ref[field], rtol=1e-5)
+            np.testing.assert_allclose(float(stats.sqnr_db), ref["sqnr_db"], atol=1e-3)
+            assert float(stats.groups) == groups[level], (shape, level)
+    assert level_stats._measure._cache_size() - before == 1

@@ -113,9 +113,9 @@ def advise(
     module path, other GEMMs by :func:`jaxmx.diagnostics.named`). It is traced abstractly twice
     (to find the GEMMs, then the shapes of their gradient legs) and run once under ``jax.jit``
     with the gradient taken, keeping every leg; each leg is then measured by
-    :func:`jaxmx.diagnostics.granularity`'s compiled program, one per leg shape (no host
-    callbacks). The GEMMs run in their own recipes; the legs are measured in ``fmt`` whatever
-    those are.
+    :func:`jaxmx.diagnostics.granularity`'s compiled program, one per padded shape
+    (:func:`~jaxmx._src.diagnostics.level_stats.measure`; no host callbacks). The GEMMs run
+    in their own recipes; the legs are measured in ``fmt`` whatever those are.
 
     Args:
         fn: the loss function of ``args`` and ``kwargs`` (arrays, Flax nnx modules, any pytree):
@@ -201,8 +201,8 @@ def advise(
 
 
 def _leg_stats(x: jax.Array, axis: int, element: str, levels, leg: str):
-    """A leg's :class:`LevelStats`: one compiled program per shape, axis and levels, shared by
-    every leg that has them (the layers of a model repeat a few shapes)."""
+    """A leg's :class:`LevelStats`: one compiled program per padded shape and levels, shared by
+    every leg that has them (:func:`~jaxmx._src.diagnostics.level_stats.measure`)."""
     axis = normalize_axis(axis, x.ndim)
     levels = _leg_levels(levels, element, leg)
     return jax.device_get(

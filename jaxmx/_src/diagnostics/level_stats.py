@@ -68,30 +68,66 @@ class LevelStats(NamedTuple):
     nonfinite: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "levels"))
+MIN_SIDE = 256
+"""Rows and columns of a measured tensor are padded with zeros to a power of two, at least this:
+small tensors of many shapes then share one compiled program."""
+
+
 def measure(x: jax.Array, *, axis: int, levels: tuple[Level, ...]) -> tuple[LevelStats, ...]:
     """The :class:`LevelStats` of each of ``levels`` (levels of one element format), ``x``'s
-    ``axis`` (non-negative) the one the rows and blocks run along. Jitted: one program per
-    shape, axis and levels."""
-    x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    ``axis`` (non-negative) the one the rows and blocks run along.
+
+    ``x`` is measured as ``[lead, rows, columns]`` (``axis`` last, the axis before it the rows
+    of 2-D tiles), padded with zeros to :func:`bucket`'s sides: one compiled program per
+    bucket, ``lead`` and levels. The padding is not measured (every statistic reads the real
+    elements and the groups holding one), so the result is that of ``x`` itself."""
+    x = jnp.moveaxis(jnp.asarray(x), axis, -1)
+    rows, cols = (1, *x.shape)[-2:]
+    lead = math.prod(x.shape[:-2])
+    padded = _padded(x.reshape(lead, rows, cols), bucket(rows), bucket(cols))
+    return _measure(padded, jnp.int32(rows), jnp.int32(cols), levels=levels)
+
+
+def bucket(n: int) -> int:
+    """The padded length of a side of ``n``: the power of two at or above it, at least
+    :data:`MIN_SIDE`."""
+    return max(MIN_SIDE, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _padded(x: jax.Array, rows: int, cols: int) -> jax.Array:
+    """float32 ``x`` [lead, r, c] zero-padded to [lead, rows, cols]."""
+    pad = [(0, 0), (0, rows - x.shape[1]), (0, cols - x.shape[2])]
+    return jnp.pad(x.astype(jnp.float32), pad)
+
+
+@functools.partial(jax.jit, static_argnames="levels")
+def _measure(x: jax.Array, rows, cols, *, levels: tuple[Level, ...]) -> tuple[LevelStats, ...]:
+    """:func:`measure` of the ``[:, :rows, :cols]`` corner of ``x`` [lead, R, C] (zero beyond)."""
+    # the real extent as values XLA cannot fold: a constant mask would be evaluated element by
+    # element at compile time
+    rows, cols = jax.lax.optimization_barrier((rows, cols))
+    valid = (jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) < rows) & (
+        jax.lax.broadcasted_iota(jnp.int32, x.shape, 2) < cols
+    )
     out = []
     for level in levels:
         q = quantize(x, level.format, tile=level.tile)
         codes = decode_elements(q.data, level.format)[tuple(slice(0, n) for n in x.shape)]
         xhat = dequantize(q, jnp.float32)
-        values, valid = _groups(x, level)
-        out.append(_level_stats(x, codes, xhat, _spans(values, valid), level.format))
+        values, real = _groups(x, valid, level)
+        spans, in_group = _spans(values, real), jnp.any(real, axis=1)
+        out.append(_level_stats(x, valid, codes, xhat, spans, in_group, level.format))
     return tuple(out)
 
 
-def _groups(x: jax.Array, level: Level) -> tuple[jax.Array, jax.Array]:
+def _groups(x: jax.Array, valid: jax.Array, level: Level) -> tuple[jax.Array, jax.Array]:
     """``x`` as ``[groups, size]`` (one group per scale of ``level``) and the mask of its real
-    elements (zero padding of partial blocks and tiles is not)."""
+    elements (``valid``'s; zero padding of partial blocks and tiles is not real either)."""
     if level.format.span == "tensor":
-        return x.reshape(1, -1), _all_true((1, x.size))
+        return x.reshape(1, -1), valid.reshape(1, -1)
     if level.format.span == "row":
-        return x.reshape(-1, x.shape[-1]), _all_true((x.size // x.shape[-1], x.shape[-1]))
-    valid = _all_true(x.shape)
+        return x.reshape(-1, x.shape[-1]), valid.reshape(-1, x.shape[-1])
     if level.tile is not None:
         rows, cols = level.tile
         pad = [(0, 0)] * (x.ndim - 2) + [(0, -x.shape[-2] % rows), (0, -x.shape[-1] % cols)]
@@ -106,12 +142,6 @@ def _groups(x: jax.Array, level: Level) -> tuple[jax.Array, jax.Array]:
     pad = [(0, 0)] * (x.ndim - 1) + [(0, -x.shape[-1] % block)]
     x, valid = jnp.pad(x, pad), jnp.pad(valid, pad)
     return x.reshape(-1, block), valid.reshape(-1, block)
-
-
-def _all_true(shape: tuple[int, ...]) -> jax.Array:
-    """A boolean mask of ``shape``, all true, that XLA cannot evaluate while compiling (a
-    constant mask would be padded, reshaped and summed element by element at compile time)."""
-    return jax.lax.optimization_barrier(jnp.ones(shape, bool))
 
 
 def _bits_nonzero(b: jax.Array) -> jax.Array:
@@ -136,8 +166,8 @@ def _down_to_one(x: jax.Array, amax_bits: jax.Array) -> jax.Array:
 
 def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
     """Each group's ``amax / std`` (population std of its real elements): ``inf`` where the std
-    is 0 and ``amax > 0``, 0 for an all-zero group; computed on the group scaled to its amax's
-    binade (no overflow, no flushed subnormals)."""
+    is 0 and ``amax > 0``, 0 for an all-zero group (or one of padding only); computed on the
+    group scaled to its amax's binade (no overflow, no flushed subnormals)."""
     count = jnp.sum(valid, axis=1)
     amax_bits = jnp.max(jnp.where(valid, _magnitude_bits(values), 0), axis=1)
     values = _down_to_one(values, amax_bits[:, None])
@@ -149,9 +179,11 @@ def _spans(values: jax.Array, valid: jax.Array) -> jax.Array:
     return jnp.where(all_zero, 0.0, jnp.where(std == 0, jnp.inf, amax / std))
 
 
-def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
+def _level_stats(x, valid, codes, xhat, spans, in_group, f: Format) -> LevelStats:
+    """The statistics of the real elements of ``x`` (``valid``) and of the groups holding one
+    (``in_group``; ``spans``: each group's :func:`_spans`)."""
     magnitude = _magnitude_bits(x)
-    nonzero = _bits_nonzero(magnitude)  # subnormals are not zero
+    nonzero = _bits_nonzero(magnitude)  # subnormals are not zero; padding is zero
     n = jnp.maximum(jnp.sum(nonzero), 1)
     finite_in = (magnitude >> bits.MANTISSA_BITS) != 0xFF
     holds_nonfinite = ~jnp.all(finite_in)
@@ -171,26 +203,29 @@ def _level_stats(x, codes, xhat, spans, f: Format) -> LevelStats:
     noise = jnp.sum(jnp.where(overflow, jnp.inf, (x1 - xhat1) ** 2))
     sqnr = jnp.where(noise == 0, jnp.inf, 10 * jnp.log10(jnp.sum(x1**2) / noise))
 
-    spans = jnp.where(holds_nonfinite, jnp.nan, spans)
-    ordered = jnp.sort(spans)
+    groups = jnp.sum(in_group)
+    ordered = jnp.sort(jnp.where(in_group, spans, jnp.inf))  # the real groups first
+
+    def finite_only(value):
+        return jnp.where(holds_nonfinite, jnp.nan, value).astype(jnp.float32)
 
     def quantile(q):  # the smallest span with at least q% of the groups at or below it
-        return ordered[max(math.ceil(q / 100 * spans.size) - 1, 0)].astype(jnp.float32)
+        return finite_only(ordered[jnp.maximum((q * groups + 99) // 100 - 1, 0)])
 
     def share_of_groups(condition):
-        return jnp.where(holds_nonfinite, jnp.nan, jnp.mean(condition)).astype(jnp.float32)
+        return finite_only(jnp.sum(in_group & condition) / groups)
 
     return LevelStats(
         underflow=fraction(jnp.abs(codes) < 2.0**f.emin),
         flushed=fraction(codes == 0),
         saturated=fraction(clipped | overflow),
-        sqnr_db=jnp.where(holds_nonfinite, jnp.nan, sqnr).astype(jnp.float32),
+        sqnr_db=finite_only(sqnr),
         span_p50=quantile(50),
         span_p90=quantile(90),
         span_p99=quantile(99),
-        span_max=jnp.max(spans).astype(jnp.float32),
+        span_max=finite_only(jnp.max(jnp.where(in_group, spans, 0.0))),
         span_above_2_10=share_of_groups(spans > 2.0**10),
         span_above_limit=share_of_groups(spans > f.elem_max / 2.0**f.emin),
-        groups=jnp.float32(spans.size),
-        nonfinite=jnp.mean(~jnp.isfinite(xhat)).astype(jnp.float32),
+        groups=groups.astype(jnp.float32),
+        nonfinite=(jnp.sum(valid & ~jnp.isfinite(xhat)) / jnp.sum(valid)).astype(jnp.float32),
     )

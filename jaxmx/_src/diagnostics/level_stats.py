@@ -210,7 +210,9 @@ def _level_stats(x, valid, codes, xhat, spans, in_group, f: Format) -> LevelStat
         return jnp.where(holds_nonfinite, jnp.nan, value).astype(jnp.float32)
 
     def quantile(q):  # the smallest span with at least q% of the groups at or below it
-        return finite_only(ordered[jnp.maximum((q * groups + 99) // 100 - 1, 0)])
+        # ceil(q * groups / 100) in int32 without overflow: groups = 100 a + b
+        at_least = q * (groups // 100) + (q * (groups % 100) + 99) // 100
+        return finite_only(ordered[jnp.maximum(at_least - 1, 0)])
 
     def share_of_groups(condition):
         return finite_only(jnp.sum(in_group & condition) / groups)

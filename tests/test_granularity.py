@@ -430,4 +430,4 @@ def test_tensors_of_many_small_shapes_share_one_program_and_their_padding_is_not
                 np.testing.assert_allclose(float(getattr(stats, field)), ref[field], rtol=1e-5)
             np.testing.assert_allclose(float(stats.sqnr_db), ref["sqnr_db"], atol=1e-3)
             assert float(stats.groups) == groups[level], (shape, level)
-    assert level_stats._measure._cache_size() - before == 1
+    assert level_stats._measure._cache_size() - before <= 1  # 0: another test compiled it

@@ -81,10 +81,10 @@ def measure(x: jax.Array, *, axis: int, levels: tuple[Level, ...]) -> tuple[Leve
     of 2-D tiles), padded with zeros to :func:`bucket`'s sides: one compiled program per
     bucket, ``lead`` and levels. The padding is not measured (every statistic reads the real
     elements and the groups holding one), so the result is that of ``x`` itself."""
-    x = jnp.moveaxis(jnp.asarray(x), axis, -1)
-    rows, cols = (1, *x.shape)[-2:]
-    lead = math.prod(x.shape[:-2])
-    padded = _padded(x.reshape(lead, rows, cols), bucket(rows), bucket(cols))
+    x = jnp.asarray(x)
+    moved = (*x.shape[:axis], *x.shape[axis + 1 :], x.shape[axis])
+    rows, cols = (1, *moved)[-2:]
+    padded = _padded(x, axis, bucket(rows), bucket(cols))
     return _measure(padded, jnp.int32(rows), jnp.int32(cols), levels=levels)
 
 
@@ -94,11 +94,13 @@ def bucket(n: int) -> int:
     return max(MIN_SIDE, 1 << max(n - 1, 0).bit_length())
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _padded(x: jax.Array, rows: int, cols: int) -> jax.Array:
-    """float32 ``x`` [lead, r, c] zero-padded to [lead, rows, cols]."""
-    pad = [(0, 0), (0, rows - x.shape[1]), (0, cols - x.shape[2])]
-    return jnp.pad(x.astype(jnp.float32), pad)
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _padded(x: jax.Array, axis: int, rows: int, cols: int) -> jax.Array:
+    """float32 ``x`` as [lead, r, c] (``axis`` last), zero-padded to [lead, rows, cols]: one
+    program with the transpose."""
+    x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
+    x = x.reshape(math.prod(x.shape[:-2]), *(1, *x.shape)[-2:])
+    return jnp.pad(x, [(0, 0), (0, rows - x.shape[1]), (0, cols - x.shape[2])])
 
 
 @functools.partial(jax.jit, static_argnames="levels")

@@ -63,9 +63,15 @@ def test_auto_emulates_where_no_device_runs_the_native_gemm():
 def test_the_emulation_is_chosen_by_scale_kind_blocks_and_tiles():
     mx = ("mxfp8_e4m3", "mxfp8_e4m3")
     assert plan("emulate", mx, to_values=True) == {"default": "emulate_values"}
-    assert plan("emulate", mx, to_values=True, tiles=((32, 32), None)) == {"default": "emulate"}
+    # a tiled weight stays an MXArray; the other operand is quantized straight to values
+    assert plan("emulate", mx, to_values=True, tiles=((32, 32), None)) == {
+        "default": "emulate_values"
+    }
+    assert plan("emulate", mx, tiles=((32, 32), None)) == {"default": "emulate"}
     assert plan("emulate", mx, tiles=((64, 16), None)) == {"default": "dequantized"}
-    assert plan("emulate", ("nvfp4", "nvfp4"), to_values=True) == {"default": "emulate"}
+    nvfp4 = ("nvfp4", "nvfp4")
+    assert plan("emulate", nvfp4, to_values=True) == {"default": "emulate_values"}
+    assert plan("emulate", nvfp4) == {"default": "emulate"}
     assert plan("emulate", ("nvfp4", "mxfp8_e4m3")) == {"default": "dequantized"}
     limited = jaxmx.recipes.MXFP8.replace(accum_bits=14).accumulation
     assert plan("auto", mx, BLACKWELL, accumulation=limited) == {"default": "limited"}

@@ -145,6 +145,27 @@ def test_emulated_matmul_on_grid_operands_equals_codes():
         )
 
 
+@pytest.mark.parametrize("rounded", ["nearest", "stochastic"])
+def test_nvfp4_quantized_to_grid_values_are_its_decoded_codes(rounded):
+    """NVFP4 held as element values (the emulated GEMM's operands since the values path took
+    it): the values are the E2M1 codes decoded by ml_dtypes, -0 included, with the same E4M3
+    block scales and tensor scale; the GEMM on them equals the GEMM on the codes."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((8, 96)) * np.exp2(rng.integers(-8, 8, (8, 1)))).astype(np.float32)
+    x[2, :16] = 0.0  # an all-zero block
+    x[5, 20] = -1e-30  # rounds to -0 in its block
+    key = jax.random.key(4) if rounded == "stochastic" else None
+    q = jaxmx.quantize(jnp.asarray(x), "nvfp4", key=key)
+    g = quantize_to_grid(jnp.asarray(x), "nvfp4", key=key)
+    want = np.asarray(q.data).astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    assert_same_float32(np.asarray(g.data), want)
+    assert np.array_equal(np.asarray(g.scale).view(np.uint8), np.asarray(q.scale).view(np.uint8))
+    assert np.asarray(g.global_scale) == np.asarray(q.global_scale)
+    w = quantize_to_grid(jnp.asarray(x[::-1].copy()), "nvfp4")
+    qw = jaxmx.quantize(jnp.asarray(x[::-1].copy()), "nvfp4")
+    _assert_same_bits(emulated_matmul(g, w, jnp.float32), emulated_matmul(q, qw, jnp.float32))
+
+
 def _copies_reference(x, w, g, recipe, key):
     """y, dx, dw from explicitly quantized copies (codes) and the emulated GEMM."""
     q = functools.partial(jaxmx.quantize, scale_mode=recipe.scale_mode)

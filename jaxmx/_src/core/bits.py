@@ -42,13 +42,45 @@ def where(condition, x, y) -> jnp.ndarray:
         [128, 2]
     """
     constant = [_is_constant(v) for v in (x, y)]
-    if not any(constant):
-        return jnp.where(condition, x, y)
+    if any(constant):
+        dtype = jnp.result_type(x, y)
+        arrays = [v for v, c in zip((x, y), constant, strict=True) if not c]
+        ref = arrays[0] if arrays else jnp.asarray(condition)
+        x, y = (
+            filled_like(ref, v, dtype) if c else v for v, c in zip((x, y), constant, strict=True)
+        )
+    return _select(condition, x, y)
+
+
+def _select(condition, x, y) -> jnp.ndarray:
+    """``jnp.where(condition, x, y)`` for arrays, as a plain ``select``: ``jnp.where`` is a
+    jitted function, which each call nests in the program as a function of its own (a call
+    XLA then inlines: hundreds per training step)."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
     dtype = jnp.result_type(x, y)
-    arrays = [v for v, c in zip((x, y), constant, strict=True) if not c]
-    ref = arrays[0] if arrays else jnp.asarray(condition)
-    x, y = (filled_like(ref, v, dtype) if c else v for v, c in zip((x, y), constant, strict=True))
-    return jnp.where(condition, x, y)
+    condition = jnp.asarray(condition, jnp.bool_)
+    shape = jnp.broadcast_shapes(condition.shape, x.shape, y.shape)
+    operands = (condition, x.astype(dtype), y.astype(dtype))
+    return lax.select(*(_broadcast(v, shape) for v in operands))
+
+
+def clip(x: jnp.ndarray, low, high) -> jnp.ndarray:
+    """``jnp.clip(x, low, high)`` for scalar bounds, as plain ``max`` and ``min`` (``jnp.clip``
+    is a jitted function: see :func:`where`); NaN stays NaN.
+
+    Example:
+        >>> clip(jnp.array([-3, 0, 9]), -1, 2).tolist()
+        [-1, 0, 2]
+    """
+    x = jnp.asarray(x)
+    return lax.min(lax.max(x, jnp.asarray(low, x.dtype)), jnp.asarray(high, x.dtype))
+
+
+def _broadcast(v: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
+    if v.shape == shape:
+        return v
+    dims = tuple(range(len(shape) - v.ndim, len(shape)))
+    return lax.broadcast_in_dim(v, shape, dims)
 
 
 def filled_like(ref: jnp.ndarray, value, dtype) -> jnp.ndarray:

@@ -22,6 +22,7 @@ from jaxmx._src.core.bits import (
     EXPONENT_BIAS,
     MANTISSA_BITS,
     MANTISSA_MASK,
+    clip,
     from_bits,
     to_bits,
     where,
@@ -34,7 +35,7 @@ E8M0_NAN = 0xFF
 def pow2(k: jnp.ndarray) -> jnp.ndarray:
     """2.0**k in float32 for integer k, exact; 0 below 2^-126 and inf above 2^127."""
     k = k.astype(jnp.int32)
-    normal = _normal_pow2(jnp.clip(k, 1 - EXPONENT_BIAS, EXPONENT_BIAS + 1))  # 2^128: inf
+    normal = _normal_pow2(clip(k, 1 - EXPONENT_BIAS, EXPONENT_BIAS + 1))  # 2^128: inf
     return where(k < 1 - EXPONENT_BIAS, jnp.float32(0), normal)
 
 
@@ -69,7 +70,7 @@ def scale_bytes(amax_bits: jnp.ndarray, emax: int, increment: jnp.ndarray) -> jn
     is at most 0, the increment at most 1), so its exponent field is taken as it is.
     """
     exponent = exponent_and_mantissa(amax_bits)[0] if emax < 1 else amax_bits >> MANTISSA_BITS
-    byte = jnp.clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
+    byte = clip(exponent + increment.astype(jnp.int32) - emax, 0, 254)
     return where(exponent == 0xFF, E8M0_NAN, byte)
 
 
@@ -110,7 +111,7 @@ def ldexp_exact(value: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     new_exponent = exponent + k
     normal = bits + (k << MANTISSA_BITS)
     significand = (bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
-    shift = jnp.clip(1 - new_exponent, 0, 31)
+    shift = clip(1 - new_exponent, 0, 31)
     subnormal = sign | (significand >> shift)
     out = where(new_exponent >= 1, normal, subnormal)
     out = where(new_exponent >= 0xFF, sign | 0x7F800000, out)
@@ -134,9 +135,9 @@ def ldexp_rounded(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     lead = jnp.maximum(lax.clz(significand) - (31 - MANTISSA_BITS), 0)
     significand = significand << lead
     new_exponent = jnp.maximum(exponent, 1) - lead + k
-    field = jnp.clip(new_exponent, 1, 0xFE) << MANTISSA_BITS
+    field = clip(new_exponent, 1, 0xFE) << MANTISSA_BITS
     normal = sign | field | (significand & MANTISSA_MASK)
-    s = jnp.clip(1 - new_exponent, 1, 26)  # the right shift into the subnormal range
+    s = clip(1 - new_exponent, 1, 26)  # the right shift into the subnormal range
     q = significand >> s
     rest = significand & ((1 << s) - 1)
     half = 1 << (s - 1)
@@ -166,13 +167,13 @@ def times_pow2(x: jnp.ndarray, k: jnp.ndarray) -> jnp.ndarray:
     k = k.astype(jnp.int32)
     x_bits = to_bits(x)
     biased = (x_bits >> MANTISSA_BITS) & 0xFF
-    first = jnp.clip(k, -126, 127)
-    second = jnp.clip(k - first, -126, 127)
+    first = clip(k, -126, 127)
+    second = clip(k - first, -126, 127)
     normal = x * _normal_pow2(first) * _normal_pow2(second) * _normal_pow2(k - first - second)
     # a subnormal result (k <= 0 there): |x| in units of 2^-149, below 2^23 (exact unless
     # below 2^-126, where the result rounds to zero anyway; k + 149 - up is then in [0, 22]),
     # rounded to an integer
-    up = jnp.clip(k + 149, -126, 127)
+    up = clip(k + 149, -126, 127)
     units = from_bits(x_bits & 0x7FFFFFFF) * _normal_pow2(up) * _normal_pow2(k + 149 - up)
     units = lax.round(units, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
     subnormal = from_bits((x_bits & jnp.int32(-(2**31))) | units)

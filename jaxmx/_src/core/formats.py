@@ -103,6 +103,14 @@ class Format:
         return self.scale_kind.pow2
 
     @property
+    def has_grid_values(self) -> bool:
+        """Whether a quantization may be held as element values (a GridArray) for the emulated
+        GEMM: 1-D blocks of a GEMM operand whose products ``code * scale`` are exact and whose
+        rows decode relative to their largest scale (the MX formats and NVFP4)."""
+        kind = self.scale_kind
+        return self.span == "block" and self.gemm_operand and (kind.pow2 or kind.tensor_scale)
+
+    @property
     def scale_modes(self) -> tuple[str, ...]:
         """The scale rules this format takes (the first is the default)."""
         return self.scale_kind.modes

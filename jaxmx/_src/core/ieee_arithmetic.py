@@ -21,7 +21,7 @@ import contextvars
 import jax.numpy as jnp
 from jax import lax
 
-from jaxmx._src.core.bits import MANTISSA_BITS, MANTISSA_MASK, from_bits, to_bits, where
+from jaxmx._src.core.bits import MANTISSA_BITS, MANTISSA_MASK, clip, from_bits, to_bits, where
 
 _division = contextvars.ContextVar("jaxmx_division", default=None)
 
@@ -80,7 +80,7 @@ def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     b_int = (b_bits & MANTISSA_MASK) | (1 << MANTISSA_BITS)
     p = a_int * b_int  # < 2^31; |a * b| = p * 2^(a_exp + b_exp - 283), biased exponents
     shift = 134 - a_exp - b_exp  # p * 2^-shift in units of 2^-149
-    s = jnp.clip(shift, 1, 30)
+    s = clip(shift, 1, 30)
     q = p >> s
     rest = p & ((1 << s) - 1)
     half = 1 << (s - 1)

@@ -240,7 +240,8 @@ def checked_fields(q, where: str) -> tuple[str, int, tuple[int, ...], tuple | No
     if isinstance(q, MXArray):
         leaves = (q.held, q.scale, q.fmt, q.axis, q.shape, q.tile, q.global_scale)
         return _checked(*leaves, where, held=True)
-    return _checked(q.data, q.scale, q.fmt, q.axis, q.shape, None, None, where, values=True)
+    leaves = (q.data, q.scale, q.fmt, q.axis, q.shape, None, q.global_scale)
+    return _checked(*leaves, where, values=True)
 
 
 def _checked(
@@ -251,7 +252,7 @@ def _checked(
     shapes of codes and scales (which may have extra leading dimensions, the same for both, as
     under ``vmap``; traced leaves may also lack leading dimensions, as inside ``vmap``). ``data``
     holds codes, the held codes (``held``: packed where the format packs) or float32 element
-    values (``values``: a GridArray, without tile or global scale)."""
+    values (``values``: a GridArray, without tile)."""
     f = get_format(fmt)
     shape = _shape(shape, where)
     if isinstance(axis, bool) or not _is_index(axis) or not -len(shape) <= axis < len(shape):
@@ -304,8 +305,7 @@ def _checked(
             f"{shaped} of shape {want_data} and scales of shape {want_scale} (give or take "
             f"leading batch dims), got {shaped} {data_shape} and scales {scale_shape_}"
         )
-    if not values:
-        _check_global_scale(global_scale, f, data_shape[: ndim - n], where)
+    _check_global_scale(global_scale, f, data_shape[: ndim - n], where)
     return f.name, axis, shape, tile
 
 

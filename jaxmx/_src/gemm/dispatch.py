@@ -11,8 +11,9 @@ implementation:
 - ``emulate`` (:data:`~jaxmx._src.gemm.emulate.EMULATE`): exact decode relative to each row's
   largest scale, ``lax.dot_general`` with float32 accumulation (formats whose products
   ``code * scale`` are exact, in equal blocks);
-- ``emulate_values``: the same on operands quantized straight to element values (a caller
-  that has not quantized yet, E8M0 scales in 1-D blocks): the same bits in less time;
+- ``emulate_values``: the same where a caller that has not quantized yet quantizes straight to
+  element values (the MX formats and NVFP4, 1-D blocks; a tiled weight as it is): the same
+  bits in less time;
 - ``emulate_pow2_twin``: block FP8 with power-of-two scales (a caller that quantizes with
   ``scale_mode="pow2"``) as its MX twin through ``emulate``: exact where float32 dequantized
   operands would overflow (a scale of ``2^127`` times 448) or flush (scales below ``2^-126``);
@@ -178,14 +179,12 @@ def _scaled_dot(gemm: Gemm) -> Kernel:
 
 def _emulation(gemm: Gemm) -> Kernel:
     fs = [get_format(f) for f in gemm.formats]
-    if gemm.to_values and all(f.scale_kind.pow2 for f in fs) and gemm.tiles == (None, None):
-        return EMULATE_VALUES
     if gemm.scale_mode == "pow2" and all(f.pow2_twin and f.block == fs[0].block for f in fs):
         if all(_block_wide(t, f) for t, f in zip(gemm.tiles, fs, strict=True)):
             return EMULATE_POW2_TWIN
     exact = all(f.scale_kind.exact_products for f in fs) and fs[0].block == fs[1].block
     if exact and all(_block_wide(t, f) for t, f in zip(gemm.tiles, fs, strict=True)):
-        return EMULATE
+        return EMULATE_VALUES if gemm.to_values and all(f.has_grid_values for f in fs) else EMULATE
     return DEQUANTIZED
 
 

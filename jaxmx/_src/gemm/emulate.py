@@ -176,15 +176,24 @@ training step the exact path's check and branch would double the compile time an
 step's temporaries above bfloat16's, docs/native.md), unless the recipe asks for the exact
 path (``Recipe.exact_emulation``: the ``"exact"`` runner)."""
 
+
+def _one_d(q: MXArray | GridArray) -> MXArray | GridArray:
+    """``q`` in 1-D blocks: a tiled MXArray untiled, anything else as it is."""
+    return q if isinstance(q, GridArray) else untiled(q)
+
+
 EMULATE_VALUES = Kernel(
     name="emulate_values",
-    run=lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype),
-    training=lambda a, b, out_dtype, _: emulated_matmul(a, b, out_dtype, exact=False),
+    run=lambda a, b, out_dtype, _: emulated_matmul(_one_d(a), _one_d(b), out_dtype),
+    training=lambda a, b, out_dtype, _: emulated_matmul(
+        _one_d(a), _one_d(b), out_dtype, exact=False
+    ),
     takes_values=True,
     gathers_8bit=True,
 )
-""":data:`EMULATE` on operands quantized straight to element values (GridArrays: a caller that
-has not quantized yet, E8M0 scales in 1-D blocks): the same bits in less time."""
+""":data:`EMULATE` where the operands that have not been quantized yet are quantized straight to
+element values (GridArrays: 1-D blocks of the MX formats and NVFP4), the others being MXArrays
+(a residual, a tiled weight): the same bits in less time."""
 
 EMULATE_POW2_TWIN = Kernel(
     name="emulate_pow2_twin",

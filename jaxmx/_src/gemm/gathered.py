@@ -14,7 +14,10 @@ take a mesh axis once) and, for each dimension of an operand that the plan un-sh
   device (a kernel that ``takes_values``);
 - an MXArray (a residual copy, a tiled or per-tensor weight) has its codes and scales gathered as
   ``uint8`` (FP4 codes two per byte; float32 scales as they are: one per row or tensor, and
-  NVFP4's tensor scale).
+  NVFP4's tensor scale);
+- a GridArray (an operand quantized outside the rule straight to element values: NVFP4's, or
+  one rounded stochastically) is taken as it is where it is not gathered; where it is, its
+  values are encoded to their codes (exactly) and gathered as an MXArray's are.
 
 Propagation (Shardy, the rule's factors): the result's rows follow the lhs rows (M) and the rhs
 rows (N), but N is declared a permutation factor, which Shardy's op-priority propagation moves
@@ -58,10 +61,12 @@ from jaxmx._src.core import wire
 from jaxmx._src.core.block_sharding import BlockShardingError, mesh_axes, spec_of
 from jaxmx._src.core.exportable import exportable
 from jaxmx._src.core.formats import get_format
+from jaxmx._src.core.grid_array import GridArray
 from jaxmx._src.core.mxarray import MXArray
 from jaxmx._src.gemm.batching import vmappable
 from jaxmx._src.gemm.kernels import Kernel
 from jaxmx._src.gemm.partitioning import plan, reduced
+from jaxmx._src.quantize.codec import decode_elements, encode
 from jaxmx._src.quantize.fake import quantize_to_grid
 from jaxmx._src.quantize.quantize import quantize
 
@@ -79,7 +84,7 @@ class Quantized(NamedTuple):
 
 
 class _Side(NamedTuple):  # the static description of one operand
-    kind: str  # "hp" (a Quantized operand) or "mx"
+    kind: str  # "hp" (a Quantized operand), "mx" (an MXArray) or "grid" (a GridArray)
     fmt: str
     axis: int
     scale_mode: str | None
@@ -104,10 +109,10 @@ def quantized_inside(fmt: str, key) -> bool:
 
 def gathered_gemm(kernel: Kernel, a, b, out_dtype, role: str = "training", like=None) -> jax.Array:
     """The emulated GEMM ``kernel`` (a :class:`~jaxmx._src.gemm.kernels.Kernel` that
-    ``gathers_8bit``) of ``a`` and ``b`` (each a :class:`Quantized` operand or an MXArray, with
-    one leading batch dim), partitioned so that a gathered operand crosses devices as 8-bit codes
-    and scales; ``role``: the kernel's runner it partitions
-    (:data:`~jaxmx._src.gemm.kernels.ROLES`).
+    ``gathers_8bit``) of ``a`` and ``b`` (each a :class:`Quantized` operand, an MXArray or, for
+    a kernel that ``takes_values``, a GridArray, with one leading batch dim), partitioned so
+    that a gathered operand crosses devices as 8-bit codes and scales; ``role``: the kernel's
+    runner it partitions (:data:`~jaxmx._src.gemm.kernels.ROLES`).
 
     ``like``: for a weight-gradient GEMM, an array laid out like the weight whose shape is the
     result's; the result's sharding propagates from it alone (see the module docstring). One of
@@ -127,9 +132,9 @@ def gathered_gemm(kernel: Kernel, a, b, out_dtype, role: str = "training", like=
                 g = op.global_scale.reshape(op.global_scale.shape + (1,) * len(op.shape))
                 arrays += (jnp.broadcast_to(g, (*batch, 1, 1)),)
             dtypes = tuple(x.dtype for x in arrays)
-            side = _Side(
-                "mx", op.fmt, op.axis, None, op.shape, op.tile, dtypes, op.scale.shape[:-2]
-            )
+            kind = "grid" if isinstance(op, GridArray) else "mx"
+            tile = None if kind == "grid" else op.tile
+            side = _Side(kind, op.fmt, op.axis, None, op.shape, tile, dtypes, op.scale.shape[:-2])
             arrays = tuple(wire.to_wire(x) for x in arrays)
         sides.append(side)
         leaves.append(arrays)
@@ -158,11 +163,18 @@ def _partitioned(
             data, scale = (_gather(t, gathers[0]) for t in (q.data, q.scale))
             shape = tuple(s * _count(g) for s, g in zip(x.shape, gathers[0], strict=True))
             return MXArray(data, scale, side.fmt, q.axis, shape)
-        if gathers is not None:
-            arrays = tuple(_gather(t, g) for t, g in zip(arrays, gathers, strict=True))
         data, scale, *tensor_scale = (
             wire.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True)
         )
+        gathered = gathers is not None and any(map(any, gathers))
+        if side.kind == "grid" and gathered:  # crosses devices as codes, exactly
+            data = encode(data, get_format(side.fmt), on_grid=True)
+        if gathered:
+            data, scale, *tensor_scale = (
+                _gather(t, g) for t, g in zip((data, scale, *tensor_scale), gathers, strict=True)
+            )
+        if side.kind == "grid" and gathered:
+            data = decode_elements(data, get_format(side.fmt))
         nd = len(side.shape)
         for i, n in enumerate(side.scale_batch):  # undo the broadcasts
             if n == 1:
@@ -170,6 +182,8 @@ def _partitioned(
         g = tensor_scale[0][(..., *(0,) * nd)] if tensor_scale else None
         rows_k = tuple(min(a, b) for a, b in zip(data.shape[-2:], side.shape[-2:], strict=True))
         shape = (*data.shape[data.ndim - nd : -2], *rows_k)
+        if side.kind == "grid":
+            return GridArray(data, scale, side.fmt, side.axis, shape, g)
         return MXArray(data, scale, side.fmt, side.axis, shape, side.tile, g)
 
     def operands(args):  # all but ``like``, which only steers propagation

@@ -84,11 +84,15 @@ def quantize_to_grid(
     *,
     key: jax.Array | None = None,
 ) -> GridArray:
-    """:func:`jaxmx.quantize`'s result as a :class:`GridArray`: the same scales, and element
-    values equal to the decoded codes (same arguments and errors as ``quantize``; MX formats)."""
+    """:func:`jaxmx.quantize`'s result as a :class:`GridArray`: the same scales (and NVFP4's
+    tensor scale), and element values equal to the decoded codes (same arguments and errors as
+    ``quantize``; the formats of :attr:`~jaxmx._src.core.formats.Format.has_grid_values`)."""
     x, f, axis, scale_mode, key = checked_arguments(x, fmt, axis, scale_mode, key)
-    if not f.is_mx:
-        raise ValueError(f"quantize_to_grid covers the MX formats, not {f.name}")
+    if not f.has_grid_values:
+        raise ValueError(
+            f"quantize_to_grid covers the MX formats and NVFP4 (1-D blocks, exact products), "
+            f"not {f.name}"
+        )
     return _on_grid(x, key, f=f, axis=axis, scale_mode=scale_mode)
 
 
@@ -96,7 +100,7 @@ def quantize_to_grid(
 def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> GridArray:
     """:func:`quantize_to_grid` of checked arguments: one compiled program per shape."""
     rule, xb = rule_of(f), blocked(x, axis, f.block)
-    codes, values, _ = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape, tied_to=x))
+    codes, values, g = rule.scaled(xb, f, scale_mode, uniform_noise(key, xb.shape, tied_to=x))
     scale = rule.scales(codes)
     on_grid = to_grid(values, f)
     return GridArray(
@@ -105,6 +109,7 @@ def _on_grid(x: jax.Array, key, *, f: Format, axis: int, scale_mode: str) -> Gri
         fmt=f.name,
         axis=axis,
         shape=tuple(x.shape),
+        global_scale=g,
     )
 
 

@@ -88,13 +88,13 @@ def scaled_blocks(xb: jax.Array, f: Format, g: jax.Array | None, round_values, b
         g = global_scale_of(max_along(block_amax_bits))  # an empty x: as all-zero
     b = _block_ratio(block_amax_bits, g)
     nonfinite = (block_amax_bits >= 0x7F800000) | jnp.isnan(g)
-    s = bits.where(nonfinite, jnp.nan, jnp.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
+    s = bits.where(nonfinite, jnp.nan, bits.clip(b, E4M3_MIN_NORMAL, E4M3_MAX))
     # s >= 2^-6 is never an E4M3 subnormal: only subnormals would be rounded by `round` (which
     # Pallas' Triton lowering lacks)
     scale_codes = minifloat_codec.encode_fp8(s, mbits=3, emin=-6, on_grid=True)
     s = block_scales(scale_codes)
     scaled = scaled_elements(xb, s, g)
-    values = jnp.clip(round_values(scaled), -f.elem_max, f.elem_max)
+    values = bits.clip(round_values(scaled), -f.elem_max, f.elem_max)
     return scale_codes, bits.where(jnp.isnan(s), 0.0, values), g
 
 
@@ -122,7 +122,7 @@ def _block_ratio(amax_bits: jax.Array, g: jax.Array) -> jax.Array:
     # quotient's bits are n / 6 rounded to nearest even
     exponent = amax_bits >> bits.MANTISSA_BITS
     significand = (amax_bits & bits.MANTISSA_MASK) | bits.where(exponent > 0, 1 << 23, 0)
-    n = significand << jnp.clip(exponent - 1, 0, 2)
+    n = significand << bits.clip(exponent - 1, 0, 2)
     q, rest = n // 6, n % 6
     q = q + ((rest > 3) | ((rest == 3) & (q % 2 == 1))).astype(jnp.int32)
     sixth = bits.where(amax < 6.0 * 2.0**-126, bits.from_bits(q), sixth)

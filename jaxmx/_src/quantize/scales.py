@@ -72,7 +72,7 @@ def _clipped(scaled, f: Format, noise):
     """``scaled`` rounded stochastically with ``noise`` (if any), clipped to ``±elem_max``."""
     if noise is not None:
         scaled = round_stochastically(scaled, f, noise)
-    return jnp.clip(scaled, -f.elem_max, f.elem_max)
+    return bits.clip(scaled, -f.elem_max, f.elem_max)
 
 
 def float32_scaled_blocks(xb, f: Format, scale_mode: str, noise, block_axes=(2,)):

@@ -246,8 +246,9 @@ def gemm(
         )
     )
     role = "exact" if r.exact_emulation else "forward" if forward else "training"
-    if len(chosen) == 1 and _gathers_8bit(chosen["default"]):
-        return gathered_gemm(chosen["default"], _inside(r, a), _inside(r, b), out_dtype, role, like)
+    if len(chosen) == 1 and _gathers_8bit(kernel := chosen["default"]):
+        a, b = (_inside(r, q, kernel) for q in (a, b))
+        return gathered_gemm(kernel, a, b, out_dtype, role, like)
 
     def operand(kernel: Kernel, q):
         if isinstance(q, MXArray):
@@ -271,14 +272,17 @@ def _gathers_8bit(kernel: Kernel) -> bool:
     return kernel.gathers_8bit and not jax.sharding.get_abstract_mesh().manual_axes
 
 
-def _inside(r: Recipe, q: Operand | MXArray):
+def _inside(r: Recipe, q: Operand | MXArray, kernel: Kernel):
     """An operand of :func:`gathered_gemm`: an MXArray as it is, an :class:`Operand` as a
-    :class:`Quantized` one where each shard can quantize its own part, else quantized here."""
+    :class:`Quantized` one where each shard can quantize its own part, else quantized here (to
+    element values for a kernel that takes them: a GridArray crosses devices as codes only
+    where it is gathered)."""
     if isinstance(q, MXArray):
         return q
     if quantized_inside(q.fmt, q.key):
         return Quantized(q.x, q.fmt, q.x.ndim + q.axis, r.scale_mode)
-    return quantized(q.x, q.key, fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode, to_values=False)
+    settings = dict(fmt=q.fmt, axis=q.axis, scale_mode=r.scale_mode)
+    return quantized(q.x, q.key, **settings, to_values=kernel.takes_values)
 
 
 def fprop(static: Static, x, w):

@@ -33,6 +33,7 @@ KIND_ATTRIBUTES = frozenset(
         "gemm_operand",
         "has_inf",
         "coding",
+        "has_grid_values",
     }
 )
 """Attributes of a Format (or of its ScaleKind) that name its kind."""
@@ -52,7 +53,7 @@ ALLOWED = {
     "core/mxarray_layouts.py": (1, "only a per-tensor quantization serves every axis"),
     "core/recipes.py": (3, "a recipe's pair of formats: one scale kind and block, accum_bits"),
     "quantize/quantize.py": (2, "a per-tensor scale is broadcast, and serves both copies"),
-    "quantize/fake.py": (2, "grid values (GridArray) exist for E8M0 scales only"),
+    "quantize/fake.py": (2, "grid values exist for MX and NVFP4; the float32 shortcut for MX"),
     "quantize/nvfp4.py": (1, "a global_scale argument is NVFP4's and refused for others"),
     "quantize/pow2_blocks.py": (1, "the table of block FP8 formats with an MX twin"),
     "gemm/blockwise.py": (3, "E8M0 rows are decoded relative to their largest scale"),

@@ -55,13 +55,12 @@ def where(condition, x, y) -> jnp.ndarray:
 def _select(condition, x, y) -> jnp.ndarray:
     """``jnp.where(condition, x, y)`` for arrays, as a plain ``select``: ``jnp.where`` is a
     jitted function, which each call nests in the program as a function of its own (a call
-    XLA then inlines: hundreds per training step)."""
+    XLA then inlines: hundreds per training step). The operands broadcast as ``jnp.where``'s
+    do, explicit shardings included."""
     x, y = jnp.asarray(x), jnp.asarray(y)
     dtype = jnp.result_type(x, y)
     condition = jnp.asarray(condition, jnp.bool_)
-    shape = jnp.broadcast_shapes(condition.shape, x.shape, y.shape)
-    operands = (condition, x.astype(dtype), y.astype(dtype))
-    return lax.select(*(_broadcast(v, shape) for v in operands))
+    return lax.select(*jnp.broadcast_arrays(condition, x.astype(dtype), y.astype(dtype)))
 
 
 def clip(x: jnp.ndarray, low, high) -> jnp.ndarray:
@@ -74,13 +73,6 @@ def clip(x: jnp.ndarray, low, high) -> jnp.ndarray:
     """
     x = jnp.asarray(x)
     return lax.min(lax.max(x, jnp.asarray(low, x.dtype)), jnp.asarray(high, x.dtype))
-
-
-def _broadcast(v: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
-    if v.shape == shape:
-        return v
-    dims = tuple(range(len(shape) - v.ndim, len(shape)))
-    return lax.broadcast_in_dim(v, shape, dims)
 
 
 def filled_like(ref: jnp.ndarray, value, dtype) -> jnp.ndarray:

@@ -166,15 +166,15 @@ def _partitioned(
         data, scale, *tensor_scale = (
             wire.from_wire(t, d) for t, d in zip(arrays, side.dtypes, strict=True)
         )
-        gathered = gathers is not None and any(map(any, gathers))
-        if side.kind == "grid" and gathered:  # crosses devices as codes, exactly
-            data = encode(data, get_format(side.fmt), on_grid=True)
-        if gathered:
+        if gathers is not None and any(map(any, gathers)):
+            grid = side.kind == "grid"  # a GridArray crosses devices as its codes, exactly
+            if grid:
+                data = encode(data, get_format(side.fmt), on_grid=True)
             data, scale, *tensor_scale = (
                 _gather(t, g) for t, g in zip((data, scale, *tensor_scale), gathers, strict=True)
             )
-        if side.kind == "grid" and gathered:
-            data = decode_elements(data, get_format(side.fmt))
+            if grid:
+                data = decode_elements(data, get_format(side.fmt))
         nd = len(side.shape)
         for i, n in enumerate(side.scale_batch):  # undo the broadcasts
             if n == 1:

@@ -14,7 +14,8 @@ namespace jaxmx {
   X(cudaGetDevice)                \
   X(cudaSetDevice)                \
   X(cudaDeviceGetAttribute)       \
-  X(cudaMemsetAsync)
+  X(cudaMemsetAsync)              \
+  X(cudaMemcpy2DAsync)
 
 #define JAXMX_CUBLASLT_FUNCTIONS(X)       \
   X(cublasLtGetVersion)                   \

@@ -1,5 +1,6 @@
 #include "cublaslt_gemm.h"
 
+#include <algorithm>
 #include <tuple>
 #include <utility>
 
@@ -47,11 +48,18 @@ int64_t OperandBytes(cudaDataType_t t, int64_t rows, int64_t k) {
   return t == CUDA_R_4F_E2M1 ? rows * k / 2 : rows * k;
 }
 
+// Per-tensor scales, the float32 scale of each batch element one after the other, sit 4 bytes
+// apart; cuBLASLt refuses a scale pointer that is not 16-byte aligned (NOT_SUPPORTED, measured on
+// an H200 with cuBLASLt 13.1: offsets of 4 and 8 bytes refused, 16 taken). Each call therefore
+// reads its two scales from slots 16 bytes apart at the end of the workspace, copied there on the
+// stream before the calls (two strided copies).
+constexpr int64_t kScaleSlot = 16;
+
 // Bytes between the scales of consecutive batch elements of one operand.
 int64_t ScaleStride(const LtGemm& g, int64_t rows, bool tiled) {
   switch (g.scaling) {
     case LtScaling::kTensorF32:
-      return sizeof(float);
+      return kScaleSlot;  // read from the slots (Run)
     case LtScaling::kBlockVec32E8M0:
       return SwizzledSize(rows, g.k / kBlock).value_or(0);
     case LtScaling::kBlockVec16E4M3:
@@ -108,6 +116,31 @@ LtStatus OnDevice(const CublasLtApi& api, int ordinal, Fn&& fn) {
   LtStatus status = fn();
   if (previous != ordinal) api.cudaSetDevice(previous);
   return status;
+}
+
+// Bytes at the end of the workspace that hold the slots of a per-tensor GEMM (none for the other
+// scalings), a multiple of the workspace alignment so that cuBLASLt's part keeps it.
+uint64_t ScaleSlotBytes(const LtGemm& g) {
+  if (g.scaling != LtScaling::kTensorF32) return 0;
+  const uint64_t bytes = static_cast<uint64_t>(2 * kScaleSlot * std::max<int64_t>(g.batch, 1));
+  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
+// The workspace split into cuBLASLt's part and the scale slots (ScaleSlotBytes) after it; a
+// workspace too small for both leaves cuBLASLt none (the heuristic then picks an algorithm that
+// needs none) and the slots null, which Run reports.
+struct SplitWorkspace {
+  AlignedWorkspace lt;
+  uint8_t* slots = nullptr;
+};
+
+SplitWorkspace Split(const LtGemm& g, void* workspace, uint64_t workspace_bytes) {
+  const AlignedWorkspace ws = AlignWorkspace(workspace, workspace_bytes);
+  const uint64_t slot_bytes = ScaleSlotBytes(g);
+  if (slot_bytes > ws.size) return {{ws.data, 0}, nullptr};
+  // the slots start at an aligned address: after cuBLASLt's part, rounded down to the alignment
+  const uint64_t lt_bytes = (ws.size - slot_bytes) / kWorkspaceAlignment * kWorkspaceAlignment;
+  return {{ws.data, lt_bytes}, static_cast<uint8_t*>(ws.data) + lt_bytes};
 }
 
 // Largest power of two <= 256 that divides the address of every batch element.
@@ -585,7 +618,7 @@ LtStatus LtContext::Prepare(int device, const LtGemm& gemm, void* workspace,
   if (LtStatus s = Check(device, *dev, gemm); !s.ok()) return s;
   if (gemm.batch == 0 || gemm.m == 0 || gemm.n == 0 || gemm.k == 0) return {};
   Plan* plan = nullptr;
-  return GetPlan(device, *dev, gemm, AlignWorkspace(workspace, workspace_bytes).size, &plan);
+  return GetPlan(device, *dev, gemm, Split(gemm, workspace, workspace_bytes).lt.size, &plan);
 }
 
 LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_t workspace_bytes,
@@ -603,10 +636,26 @@ LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_
                    std::string("cudaMemsetAsync failed: ") + api_.cudaGetErrorString(e));
     return {};
   }
-  const AlignedWorkspace ws = AlignWorkspace(workspace, workspace_bytes);
+  const SplitWorkspace ws = Split(gemm, workspace, workspace_bytes);
   Plan* plan = nullptr;
-  if (LtStatus s = GetPlan(device, *dev, gemm, ws.size, &plan); !s.ok()) return s;
-  return Enqueue(*dev, gemm, *plan, ws.data, ws.size, stream);
+  if (LtStatus s = GetPlan(device, *dev, gemm, ws.lt.size, &plan); !s.ok()) return s;
+  if (ScaleSlotBytes(gemm) == 0) return Enqueue(*dev, gemm, *plan, ws.lt.data, ws.lt.size, stream);
+  if (ws.slots == nullptr)
+    return Error(LtCode::kInternal, "the workspace (" + std::to_string(workspace_bytes) +
+                                        " bytes) has no room for the scale slots of a batch of " +
+                                        std::to_string(gemm.batch));
+  LtGemm slotted = gemm;  // the scales, 16 bytes apart: rhs (A) slots first, then lhs (B)
+  for (const auto& [from, to] : {std::pair{gemm.rhs_scale, ws.slots},
+                                 std::pair{gemm.lhs_scale, ws.slots + kScaleSlot * gemm.batch}}) {
+    const cudaError_t e = api_.cudaMemcpy2DAsync(to, kScaleSlot, from, sizeof(float), sizeof(float),
+                                                 gemm.batch, cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess)
+      return Error(LtCode::kInternal,
+                   std::string("copying the scales to their slots: ") + api_.cudaGetErrorString(e));
+  }
+  slotted.rhs_scale = ws.slots;
+  slotted.lhs_scale = ws.slots + kScaleSlot * gemm.batch;
+  return Enqueue(*dev, slotted, *plan, ws.lt.data, ws.lt.size, stream);
 }
 
 LtStatus LtContext::Enqueue(const Device& device, const LtGemm& g, Plan& plan, void* workspace,

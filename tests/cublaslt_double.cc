@@ -32,13 +32,14 @@
 //   E5M2 x E5M2, mixed scale modes (but 1x128 with 128x128), 128x128 x 128x128, VEC32 below
 //   compute capability 10.0 or cuBLASLt 12.8, block FP8 off compute capability 9.x or below
 //   cuBLASLt 12.9, FP8 below 8.9, K not a multiple of 32 (VEC32), 128 (block FP8) or 16 (FP8 and
-//   VEC16), a 1x128 scale tensor whose rows are not a multiple of 4 (16 bytes) or a scale tensor
-//   not 16-byte aligned, a leading dimension not a multiple of 16 bytes, and any layout but TN (A
-//   transposed, B not) on architectures that only have TN kernels (compute capability 8.9, 9.x
-//   and 12.x); FP4 mixed with FP8, FP4 without block scaling (VEC16 or VEC32), VEC16 on FP8
-//   operands, FP4 below compute capability 10.0 or cuBLASLt 12.8, and FP4 in any layout but TN
-//   on every architecture (all CUBLAS_STATUS_NOT_SUPPORTED); inconsistent shapes or batch counts
-//   (CUBLAS_STATUS_INVALID_VALUE).
+//   VEC16), a 1x128 scale tensor whose rows are not a multiple of 4 (16 bytes), a block-FP8 scale
+//   tensor or a SCALAR_32F scale not 16-byte aligned (the latter measured on an H200, cuBLASLt
+//   13.1: a scale 4 or 8 bytes past an aligned address refused), a leading dimension not a multiple
+//   of 16 bytes, and any layout but TN (A transposed, B not) on architectures that only have TN
+//   kernels (compute capability 8.9, 9.x and 12.x); FP4 mixed with FP8, FP4 without block scaling
+//   (VEC16 or VEC32), VEC16 on FP8 operands, FP4 below compute capability 10.0 or cuBLASLt 12.8,
+//   and FP4 in any layout but TN on every architecture (all CUBLAS_STATUS_NOT_SUPPORTED);
+//   inconsistent shapes or batch counts (CUBLAS_STATUS_INVALID_VALUE).
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
@@ -236,6 +237,7 @@ struct Problem {  // op(A) [m, k], op(B) [k, n], D [m, n]
   bool vec32;
   bool vec16;             // VEC16_UE4M3 (NVFP4)
   bool block_fp8;         // VEC128_32F / BLK128x128_32F
+  bool scalar;            // SCALAR_32F (per-tensor)
   bool a_tiles, b_tiles;  // block FP8: BLK128x128_32F for A / B
 };
 
@@ -287,6 +289,7 @@ cublasStatus_t Support(int device, const Desc& desc, const Layout& a, const Layo
                                      sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3)))
     return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "scale modes");
   p->vec16 = sa == CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3;
+  p->scalar = sa == CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   if (p->vec16 && !fp4) return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "VEC16_UE4M3 on FP8");
   if (fp4 && sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC16_UE4M3 &&
       sa != CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0)
@@ -360,6 +363,16 @@ cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
 
 cudaError_t MemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
   std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t Memcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+                          size_t height, cudaMemcpyKind kind, cudaStream_t) {
+  if (kind != cudaMemcpyDeviceToDevice || width > dpitch || width > spitch)
+    return cudaErrorInvalidValue;
+  for (size_t row = 0; row < height; ++row)
+    std::memcpy(static_cast<uint8_t*>(dst) + row * dpitch,
+                static_cast<const uint8_t*>(src) + row * spitch, width);
   return cudaSuccess;
 }
 
@@ -494,8 +507,8 @@ cublasStatus_t Matmul(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc_handle,
   const void* b_scale = desc.attrs.Get<const void*>(CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, nullptr);
   if (a_scale == nullptr || b_scale == nullptr)
     return Refuse(CUBLAS_STATUS_INVALID_VALUE, "FP8 needs A and B scale pointers");
-  if (p.block_fp8 && (!Aligned(a_scale, 16) || !Aligned(b_scale, 16)))
-    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "block FP8 scales not 16-byte aligned");
+  if ((p.block_fp8 || p.scalar) && (!Aligned(a_scale, 16) || !Aligned(b_scale, 16)))
+    return Refuse(CUBLAS_STATUS_NOT_SUPPORTED, "scales not 16-byte aligned");
   const bool ta = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N) == CUBLAS_OP_T;
   const bool tb = desc.attrs.Get<int32_t>(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N) == CUBLAS_OP_T;
   // alpha and beta: host values, or (CUBLASLT_POINTER_MODE_DEVICE) device pointers
@@ -569,6 +582,7 @@ jaxmx::CublasLtApi DoubleApi() {
   api.cudaSetDevice = SetDevice;
   api.cudaDeviceGetAttribute = DeviceGetAttribute;
   api.cudaMemsetAsync = MemsetAsync;
+  api.cudaMemcpy2DAsync = Memcpy2DAsync;
   api.cublasLtGetVersion = GetVersion;
   api.cublasLtGetStatusString = GetStatusString;
   api.cublasLtCreate = Create;

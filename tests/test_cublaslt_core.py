@@ -307,6 +307,28 @@ def test_per_tensor_gemm_matches_numpy(machine, batch):
     assert [c.batch_count for c in gpu.matmuls()] == [1] * batch
 
 
+def test_per_tensor_scales_reach_cublaslt_16_bytes_apart(machine):
+    """cuBLASLt refuses a per-tensor scale pointer that is not 16-byte aligned (an H200 did for
+    4 and 8 bytes past an aligned address; the double does): the core copies each call's scales
+    to slots 16 bytes apart at the end of the workspace (cuBLASLt gets the rest), and says so
+    where the workspace has no room for them."""
+    gpu = machine((90,))
+    rng = np.random.default_rng(5)
+    a = placed(random_codes(rng, (5, 16, 32), "float8_e4m3fn"))
+    b = placed(random_codes(rng, (5, 16, 32), "float8_e4m3fn"))
+    sa = placed(np.float32([1.0, 2.0, 4.0, 0.5, 3.0]))
+    sb = placed(np.float32([0.25, 1.0, 2.0**-9, 8.0, 1.0]))
+    d = placed(np.full((5, 16, 16), np.nan, np.float32))
+    assert gpu.gemm(a, b, sa, sb, d, mx=False) == ("ok", "")
+    assert [c.workspace_bytes for c in gpu.matmuls()] == [ffi.WORKSPACE_BYTES - 256] * 5
+    x = a.astype(np.float64) * sa.astype(np.float64)[:, None, None]
+    y = b.astype(np.float64) * sb.astype(np.float64)[:, None, None]
+    exact = np.einsum("bmk,bnk->bmn", x, y)
+    assert_close(d, exact, np.einsum("bmk,bnk->bmn", abs(x), abs(y)), 32, "float32")
+    code, message = gpu.gemm(a, b, sa, sb, d, mx=False, workspace=aligned(256 + 128))
+    assert code == "internal" and "no room for the scale slots of a batch of 5" in message
+
+
 def test_empty_contraction_writes_zeros(machine):
     gpu = machine()
     a = np.zeros((2, 3, 0), ml_dtypes.float8_e4m3fn)

@@ -252,6 +252,20 @@ def test_bad_impl(monkeypatch):
     jaxmx.quantize(x, impl="auto")  # XLA there
 
 
+def test_compiled_kernels_are_refused_on_a_gpu(monkeypatch):
+    """Their first run on a GPU (an H200) gave other bytes than the XLA quantizer: refused there,
+    whatever the entry point, with the reason; "auto" and "xla" are unaffected."""
+    x = jnp.ones((4, 32))
+    monkeypatch.setattr(quantize_module.jax, "default_backend", lambda: "gpu")
+    for call in (
+        lambda: jaxmx.quantize(x, impl="pallas"),
+        lambda: jaxmx.quantize_rowwise_colwise(x, impl="pallas"),
+    ):
+        with pytest.raises(NotImplementedError, match=r"refused on GPUs.*-0.*use impl='xla'"):
+            call()
+    jaxmx.quantize(x, impl="auto")
+
+
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "nvfp4", "fp8_e4m3_block"])
 @pytest.mark.parametrize("shape, axis", [((0, 64), 1), ((0, 64), 0), ((4, 0), 1), ((0,), 0)])
 def test_empty_inputs_quantize_like_xla(fmt, shape, axis):

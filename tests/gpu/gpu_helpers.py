@@ -31,20 +31,34 @@ DRY_RUN = os.environ.get("JAXMX_GPU_DRY_RUN", "") == "1"
 OUT_DTYPES = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}  # eps_out
 OUT_TINY = {"float32": 2.0**-150, "bfloat16": 2.0**-134, "float16": 2.0**-25}  # half subnormal
 LARGE = 2**27  # M * N * K above which the CPU handler is not run (seconds per call there)
+ACCUMULATION = 2.0**-10
+"""The native GEMMs' accumulation bound, per entry a fraction of ``sum_k |a_k b_k|``: Hopper's
+FP8 tensor cores keep about 14 bits in their partial sums (DeepSeek-V3 technical report,
+section 3.3.2). On an H200 (cuBLASLt 13) per-tensor and block FP8 reached 2.6 times
+``2^-12`` (docs/native.md)."""
+HOPPER_FAILURES = {
+    "scale_overflow": "cuBLASLt's block-FP8 GEMM gave inf where a partial sum times one "
+    "operand's scale (3e35) passes float32's range and the exact result is finite, on an H200",
+}
+"""What the first run on a Hopper GPU (an H200, 2026-12-04) showed the native GEMMs not to do;
+the tests expect these failures there (strict xfail: a fix shows as XPASS). docs/native.md."""
 
 
-def bound_fraction(out, ref, abs_sum, out_dtype) -> float:
-    """Worst ``|out - ref|`` in units of ``eps_out * |ref| + 2^-12 * sum|products| + tiny_out``
-    (float32 accumulation over K plus one rounding to the output type); <= 1 passes."""
+def bound_fraction(out, ref, abs_sum, out_dtype, roundings: int = 1) -> float:
+    """Worst ``|out - ref|`` in units of ``roundings * (eps_out * |ref| + tiny_out) +
+    ACCUMULATION * sum|products|`` (the tensor cores' accumulation over K plus ``roundings``
+    roundings to the output type: 1 against a float32 reference, 2 against another result
+    rounded to the output type); <= 1 passes."""
     name = str(np.dtype(out_dtype))
     out = np.asarray(out, np.float64)
     ref = np.asarray(ref, np.float64)
-    bound = OUT_DTYPES[name] * np.abs(ref) + 2.0**-12 * np.asarray(abs_sum, np.float64)
-    return float(np.max(np.abs(out - ref) / (bound + OUT_TINY[name]), initial=0.0))
+    bound = roundings * (OUT_DTYPES[name] * np.abs(ref) + OUT_TINY[name])
+    bound = bound + ACCUMULATION * np.asarray(abs_sum, np.float64)
+    return float(np.max(np.abs(out - ref) / bound, initial=0.0))
 
 
-def assert_within_bound(out, ref, abs_sum, out_dtype, what: str) -> None:
-    err = bound_fraction(out, ref, abs_sum, out_dtype)
+def assert_within_bound(out, ref, abs_sum, out_dtype, what: str, roundings: int = 1) -> None:
+    err = bound_fraction(out, ref, abs_sum, out_dtype, roundings)
     assert err <= 1.0, f"{what}: error {err:.3g} of the bound"
 
 
@@ -66,7 +80,7 @@ def check_native_gemm(f, a, b, out_dtype, gpu, cpu) -> None:
     m, k = a.shape[-2:]
     if m * b.shape[-2] * k <= LARGE:
         on_cpu = f(*jax.device_put((a, b), cpu))
-        assert_within_bound(out, on_cpu, abs_sum, out_dtype, "vs CPU handler")
+        assert_within_bound(out, on_cpu, abs_sum, out_dtype, "vs CPU handler", roundings=2)
 
 
 def per_tensor(x, dtype):
@@ -96,6 +110,16 @@ def require(family: str) -> None:
     status = capabilities.probe().status(family)
     if status != "available":
         pytest.skip(f"{family} GEMM: {status}")
+
+
+def expect_hopper_failure(request, what: str) -> None:
+    """Marks the running test as expected to fail (strictly) on a Hopper GPU, for the reason
+    :data:`HOPPER_FAILURES` gives ``what``; nothing elsewhere (nor in a dry run)."""
+    if DRY_RUN:
+        return
+    cc = capabilities.probe().compute_capability
+    if cc is not None and cc[0] == 9:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=HOPPER_FAILURES[what]))
 
 
 def skip_large_in_dry_run(m: int, n: int, k: int) -> None:

@@ -1,14 +1,14 @@
 """The differential harness of tests/test_backend_differential.py on a CUDA device: the hard
 inputs of tests/hard_gemm_inputs.py through cuBLASLt (``backend="ffi"``), ``backend="xla"`` and
 the emulation on the device, against the float64 reference. cuBLASLt is held to its documented
-accumulator bound (``2^-12 * sum_k |a_k b_k|``, docs/native.md); ``xla`` and the emulation to
+accumulator bound (``ACCUMULATION * sum_k |a_k b_k|``, docs/native.md); ``xla`` and the emulation to
 the differential bound (``xla`` to cuBLASLt's, where XLA may keep the op native)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_helpers import DRY_RUN
+from gpu_helpers import ACCUMULATION, DRY_RUN, expect_hopper_failure
 from hard_gemm_inputs import MX_GROUPS, block_group, mx_group, problems
 
 from jaxmx._src.gemm import capabilities
@@ -23,7 +23,7 @@ MX_PAIRS = [  # (formats, native family)
     (("mxfp4", "mxfp4"), "fp4"),
 ]
 BLOCK_PAIRS = [("fp8_e4m3_block", "fp8_e4m3_block"), ("fp8_e5m2_block", "fp8_e4m3_block")]
-CUBLASLT_RELATIVE = 2.0**-12
+CUBLASLT_RELATIVE = ACCUMULATION
 
 
 def _run(backend, a, b, device, scale_mode=None):
@@ -53,7 +53,9 @@ def test_mx_hard_inputs_on_the_device(gpu, formats, family, group):
 
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "fp32"])
 @pytest.mark.parametrize("formats", BLOCK_PAIRS, ids=["x".join(p) for p in BLOCK_PAIRS])
-def test_block_fp8_hard_inputs_on_the_device(gpu, formats, pow2):
+def test_block_fp8_hard_inputs_on_the_device(request, gpu, formats, pow2):
+    if not pow2 and formats == BLOCK_PAIRS[0]:  # huge_and_tiny: inf from cuBLASLt
+        expect_hopper_failure(request, "scale_overflow")
     names, a, b, x, y = block_group(formats, pow2)
     mode = "pow2" if pow2 else "fp32"
     emulated = _run("emulate", a, b, gpu, mode)

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from gpu_helpers import DRY_RUN, require
+from gpu_helpers import ACCUMULATION, DRY_RUN, require
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     def bound_error(out, xd, wd):
         ref = jnp.einsum("...mk,...nk->...mn", xd, wd, precision="highest")
         abs_sum = jnp.einsum("...mk,...nk->...mn", abs(xd), abs(wd), precision="highest")
-        return float(jnp.max(jnp.abs(out - ref) / (2.0**-12 * abs_sum + 1e-30)))
+        return float(jnp.max(jnp.abs(out - ref) / (float(sys.argv[2]) * abs_sum + 1e-30)))
 
     mx = sys.argv[1] == "mx"
     f = jax.jit(lambda a, b: 2.0 * (ffi.mx_matmul(a, b, jnp.float32) if mx else
@@ -53,7 +53,11 @@ def test_the_gemm_runs_in_a_command_buffer(family):
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {GRAPH_FLAGS}")
     env["JAX_PLATFORMS"] = "cpu" if DRY_RUN else "cuda"
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, family], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", SCRIPT, family, str(ACCUMULATION)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()

@@ -20,22 +20,34 @@ PALLAS_TILE = 128
 
 IMPLS = ("auto", "xla", "pallas")
 """Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
-(:mod:`jaxmx._src.quantize.pallas`'s kernels: compiled for CUDA GPUs, interpreted on the CPU),
-``"auto"`` (XLA on every platform: the kernels have not yet been measured, or run, on a GPU,
-so nothing selects them until a GPU shows them faster; see docs/benchmarks.md). ``"pallas"``
-is chosen per lowering platform."""
+(:mod:`jaxmx._src.quantize.pallas`'s kernels, interpreted on the CPU; refused where JAX's
+default backend is a GPU, see :data:`PALLAS_ON_GPU`), ``"auto"`` (XLA on every platform).
+``"pallas"`` is chosen per lowering platform."""
+
+PALLAS_ON_GPU = (
+    "impl='pallas' is refused on GPUs: compiled by Pallas' Triton lowering on an H200 "
+    "(jax 0.11.2), the kernels wrote +0 where the XLA quantizer writes the E4M3 code of -0 "
+    "(MXFP8, blocks along a non-minor axis) and the E2M1 formats (NVFP4, MXFP4) failed to "
+    "compile (Triton cannot reshape float4 tensors); use impl='xla' (or 'auto'), the same "
+    "bytes on every platform"
+)
+"""Why compiled kernels are refused: their first GPU run (docs/quantization.md) gave other
+bytes than the XLA quantizer, which they exist to reproduce."""
 
 
 def check_impl(impl) -> str:
     """``impl`` after checking it names an implementation that runs here.
 
-    A ValueError for an unknown ``impl``, and for ``impl="pallas"`` where JAX's default backend
-    is neither a GPU nor the CPU (the kernels are written for Triton; interpreting them
-    elsewhere is not supported).
+    A ValueError for an unknown ``impl``; for ``impl="pallas"``, a NotImplementedError where
+    JAX's default backend is a GPU (:data:`PALLAS_ON_GPU`) and a ValueError where it is
+    neither a GPU nor the CPU (the kernels are written for Triton; interpreting them elsewhere
+    is not supported).
     """
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     platform = jax.default_backend()
+    if impl == "pallas" and platform == "gpu":
+        raise NotImplementedError(PALLAS_ON_GPU)
     if impl == "pallas" and platform not in ("gpu", "cpu"):
         raise ValueError(
             f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "

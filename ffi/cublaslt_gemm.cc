@@ -639,7 +639,12 @@ LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_
   const SplitWorkspace ws = Split(gemm, workspace, workspace_bytes);
   Plan* plan = nullptr;
   if (LtStatus s = GetPlan(device, *dev, gemm, ws.lt.size, &plan); !s.ok()) return s;
-  if (ScaleSlotBytes(gemm) == 0) return Enqueue(*dev, gemm, *plan, ws.lt.data, ws.lt.size, stream);
+  const auto aligned = [](const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % kScaleSlot == 0;
+  };
+  if (ScaleSlotBytes(gemm) == 0 ||
+      (gemm.batch == 1 && aligned(gemm.rhs_scale) && aligned(gemm.lhs_scale)))  // as they are
+    return Enqueue(*dev, gemm, *plan, ws.lt.data, ws.lt.size, stream);
   if (ws.slots == nullptr)
     return Error(LtCode::kInternal, "the workspace (" + std::to_string(workspace_bytes) +
                                         " bytes) has no room for the scale slots of a batch of " +

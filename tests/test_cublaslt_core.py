@@ -327,6 +327,13 @@ def test_per_tensor_scales_reach_cublaslt_16_bytes_apart(machine):
     assert_close(d, exact, np.einsum("bmk,bnk->bmn", abs(x), abs(y)), 32, "float32")
     code, message = gpu.gemm(a, b, sa, sb, d, mx=False, workspace=aligned(256 + 128))
     assert code == "internal" and "no room for the scale slots of a batch of 5" in message
+    # one GEMM whose scales sit 4 bytes past an aligned address: copied too
+    one = placed(np.full((1, 16, 16), np.nan, np.float32))
+    s4 = placed(np.float32([2.0**-3]), offset=4), placed(np.float32([6.0]), offset=4)
+    assert gpu.gemm(a[:1], b[:1], *s4, one, mx=False) == ("ok", "")
+    x1, y1 = a[:1].astype(np.float64) * 2.0**-3, b[:1].astype(np.float64) * 6.0
+    exact1 = np.einsum("bmk,bnk->bmn", x1, y1)
+    assert_close(one, exact1, np.einsum("bmk,bnk->bmn", abs(x1), abs(y1)), 32, "float32")
 
 
 def test_empty_contraction_writes_zeros(machine):

@@ -1,4 +1,4 @@
-"""The quantizer implementations (XLA, Pallas) and their choice per lowering platform.
+"""The quantizer implementations (XLA, Pallas), their check and their dispatch.
 
 Example:
     >>> from jaxmx._src.quantize.impl import check_impl, check_pallas_tile
@@ -10,10 +10,7 @@ Example:
 
 from __future__ import annotations
 
-import functools
-
 import jax
-from jax import lax
 
 PALLAS_TILE = 128
 """The Pallas kernels' tile side: each grid step reads a 128 x 128 tile of the input."""
@@ -21,8 +18,7 @@ PALLAS_TILE = 128
 IMPLS = ("auto", "xla", "pallas")
 """Quantizer implementations: ``"xla"`` (fused ``jax.numpy``, every backend), ``"pallas"``
 (:mod:`jaxmx._src.quantize.pallas`'s kernels, interpreted on the CPU; refused where JAX's
-default backend is a GPU, see :data:`PALLAS_ON_GPU`), ``"auto"`` (XLA on every platform).
-``"pallas"`` is chosen per lowering platform."""
+default backend is a GPU, see :data:`PALLAS_ON_GPU`), ``"auto"`` (XLA on every platform)."""
 
 PALLAS_ON_GPU = (
     "impl='pallas' is refused on GPUs: compiled by Pallas' Triton lowering on an H200 "
@@ -48,9 +44,9 @@ def check_impl(impl) -> str:
     platform = jax.default_backend()
     if impl == "pallas" and platform == "gpu":
         raise NotImplementedError(PALLAS_ON_GPU)
-    if impl == "pallas" and platform not in ("gpu", "cpu"):
+    if impl == "pallas" and platform != "cpu":
         raise ValueError(
-            f"impl='pallas' runs on CUDA GPUs (compiled) and on the CPU (interpreted), not on "
+            f"impl='pallas' runs on the CPU (interpreted; refused on GPUs), not on "
             f"{platform!r}; use impl='xla' (or 'auto')"
         )
     return impl
@@ -68,11 +64,11 @@ def check_pallas_tile(tile: tuple[int, int]) -> tuple[int, int]:
 
 
 def dispatch(impl: str, xla, pallas, x):
-    """``xla(x)`` or ``pallas(x, interpret=...)`` on each lowering platform, as a checked
-    ``impl`` (:func:`check_impl`) says. An empty ``x`` has no tile for a kernel to read: it
+    """``xla(x)`` or the interpreted kernels ``pallas(x, interpret=True)``, as a checked ``impl``
+    (:func:`check_impl`) says, on every lowering platform: a program lowered for CUDA from a
+    CPU process (``jax.export``) carries the interpreted kernels too, not the compiled ones
+    that :data:`PALLAS_ON_GPU` refuses. An empty ``x`` has no tile for a kernel to read: it
     takes ``xla(x)``, whose empty codes and scales are the ones the kernels would write."""
     if impl in ("xla", "auto") or x.size == 0:
         return xla(x)
-    compiled = functools.partial(pallas, interpret=False)
-    interpreted = functools.partial(pallas, interpret=True)
-    return lax.platform_dependent(x, cuda=compiled, default=interpreted)
+    return pallas(x, interpret=True)

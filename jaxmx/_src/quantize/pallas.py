@@ -17,9 +17,10 @@ chunk of each: 512 bytes for the MX formats' 4 blocks per tile row, 1024 for NVF
 Stochastic rounding reads the uniform draws that the XLA quantizer draws from the same key (so
 that the bytes agree), one more input per copy.
 
-Lowered for a CUDA GPU the kernels are compiled (Pallas' Triton lowering); on the CPU they run
-in Pallas interpret mode (slow: for tests). Inputs are zero-padded to whole tiles (padding never
-changes a scale) and the outputs sliced back.
+``impl="pallas"`` runs them in Pallas interpret mode (slow: for tests); compiled by Pallas'
+Triton lowering for a GPU they gave other bytes, and are refused there
+(:data:`~jaxmx._src.quantize.impl.PALLAS_ON_GPU`). Inputs are zero-padded to whole tiles
+(padding never changes a scale) and the outputs sliced back.
 
 Example:
     >>> import jax.numpy as jnp, jaxmx

@@ -83,9 +83,9 @@ def quantize(
         tile: ``(rows, cols)``: one scale per tile of the last two axes instead of per block
             along ``axis`` (which must then be the last axis); both axes are zero-padded to whole
             tiles. The transpose quantized with ``tile[::-1]`` holds the same bytes.
-        impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
-            ``"xla"`` or ``"pallas"`` (compiled on a GPU, interpreted on the CPU); the same bytes
-            either way (``"pallas"`` takes tiles whose sides divide 128).
+        impl: ``"auto"`` (default: XLA), ``"xla"`` or ``"pallas"`` (the Pallas kernels,
+            interpreted on the CPU, refused on GPUs); the same bytes either way (``"pallas"``
+            takes tiles whose sides divide 128).
         global_scale: NVFP4 only: the float32 per-tensor scale ``g`` to use (at least
             ``2^-126``); ``None`` (default) computes ``amax(|x|) / (448 * 6)``.
 
@@ -267,9 +267,9 @@ def quantize_rowwise_colwise(
 
     Args:
         x, fmt, scale_mode, key: as for :func:`quantize`.
-        impl: ``"auto"`` (default: XLA, until the Pallas kernels are measured on a GPU),
-            ``"xla"`` or ``"pallas"`` (one read of each 128 x 128 tile of ``x`` writes both
-            copies; compiled on a GPU, interpreted on the CPU). The same bytes either way.
+        impl: ``"auto"`` (default: XLA), ``"xla"`` or ``"pallas"`` (one read of each 128 x 128
+            tile of ``x`` writes both copies; interpreted on the CPU, refused on GPUs). The same
+            bytes either way.
         swizzled_scales: also return both copies' scales in the cuBLAS 128x4 layout (as
             :func:`jaxmx.swizzle_scales` gives them), written by the same kernel: the E8M0
             bytes of the MX formats, the E4M3 bytes of NVFP4 (block FP8's float32 scales have

@@ -639,11 +639,10 @@ LtStatus LtContext::Run(int device, const LtGemm& gemm, void* workspace, uint64_
   const SplitWorkspace ws = Split(gemm, workspace, workspace_bytes);
   Plan* plan = nullptr;
   if (LtStatus s = GetPlan(device, *dev, gemm, ws.lt.size, &plan); !s.ok()) return s;
-  const auto aligned = [](const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % kScaleSlot == 0;
-  };
+  // every call's scales read in place where they are aligned already (one GEMM, in practice)
   if (ScaleSlotBytes(gemm) == 0 ||
-      (gemm.batch == 1 && aligned(gemm.rhs_scale) && aligned(gemm.lhs_scale)))  // as they are
+      std::min(Alignment(gemm.rhs_scale, sizeof(float), gemm.batch),
+               Alignment(gemm.lhs_scale, sizeof(float), gemm.batch)) >= kScaleSlot)
     return Enqueue(*dev, gemm, *plan, ws.lt.data, ws.lt.size, stream);
   if (ws.slots == nullptr)
     return Error(LtCode::kInternal, "the workspace (" + std::to_string(workspace_bytes) +

@@ -222,6 +222,7 @@ def test_kernels_lowered_for_cuda_are_the_interpreted_ones(fmt, mode, tile):
         ),
         lambda x: jaxmx.quantize_rowwise_colwise(x, fmt, mode, key=key, impl="pallas"),
         lambda x: jaxmx.quantize(x, fmt, 0, mode, impl="pallas"),
+        lambda x: jaxmx.quantize(x, fmt, -1, mode, impl="pallas"),
         lambda x: jaxmx.quantize(x, fmt, -1, mode, key=key, tile=tile, impl="pallas"),
         lambda x: jaxmx.quantize(x, fmt),
     ):

@@ -38,6 +38,33 @@ def test_a_quantized_tensor_holds_its_codes_packed():
         assert q.data.shape == (64, 256) and q.data.dtype == jaxmx.FORMATS[fmt].dtype, fmt
 
 
+PACKING_FORMATS = [name for name, f in jaxmx.FORMATS.items() if f.packing is not None]
+
+
+def test_eager_packing_lowers_one_program_per_shape():
+    """Packing and unpacking run eagerly (``quantize``, ``MXArray.data``) as one program each,
+    not one per operation: the first call of a shape then compiles one program, not 6 to 9."""
+    assert set(PACKING_FORMATS) == set(PACKED)  # the table's packed formats are these
+    lowered = []
+
+    def count(event, duration, **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for i, fmt in enumerate(PACKING_FORMATS):
+            x = jnp.ones((3 + i, 544))  # a shape no other test uses: nothing compiled before
+            lowered.clear()
+            q = jaxmx.quantize(x, fmt)
+            assert len(lowered) == 2, (fmt, "quantize", len(lowered))  # codes and scales, pack
+            lowered.clear()
+            assert q.data.shape == x.shape
+            assert len(lowered) == 1, (fmt, "unpack", len(lowered))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp6_e3m2"])
 def test_transforms_read_the_codes_back(fmt):
     """Under vmap (leaves with a leading dim the logical shape lacks, blocks along axis 0 of

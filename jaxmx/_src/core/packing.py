@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -69,13 +71,20 @@ def held_shape(shape: tuple[int, ...], f: Format, axis: int) -> tuple[int, ...]:
 
 def pack(codes: jax.Array, f: Format, *, axis: int) -> jax.Array:
     """The held form of ``codes`` (the format's ``dtype``) along ``axis`` (negative): see the
-    module docstring. ``codes`` itself for formats that do not pack."""
+    module docstring. ``codes`` itself for formats that do not pack. Eager calls run one
+    compiled program per shape and packing (MXFP4 and NVFP4 share theirs), not one per
+    operation."""
     if f.packing is None:
         return codes
     held_shape(codes.shape, f, axis)  # refuses a partial group, naming the format
-    n, group = codes.shape[axis], f.packing[0]
+    return _pack(codes, group=f.packing[0], axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("group", "axis"))
+def _pack(codes: jax.Array, *, group: int, axis: int) -> jax.Array:
+    n = codes.shape[axis]
     split = _split(codes, axis, n // group, group)  # [..., groups, group, ...]
-    bits = lax.bitcast_convert_type(split, jnp.uint4) if f.storage_bits == 4 else split
+    bits = lax.bitcast_convert_type(split, jnp.uint4) if group == 2 else split  # 4-bit codes
     c = [_take(bits, i, axis).astype(jnp.uint32) for i in range(group)]
     if group == 2:
         return (c[0] | (c[1] << 4)).astype(jnp.uint8)
@@ -85,20 +94,26 @@ def pack(codes: jax.Array, f: Format, *, axis: int) -> jax.Array:
 
 
 def unpack(held: jax.Array, f: Format, *, axis: int) -> jax.Array:
-    """The codes (the format's ``dtype``) that :func:`pack` held as ``held``, along ``axis``."""
+    """The codes (the format's ``dtype``) that :func:`pack` held as ``held``, along ``axis``
+    (one compiled program per shape and packing, as :func:`pack`)."""
     if f.packing is None:
         return held
-    group, size = f.packing
+    return _unpack(held, packing=f.packing, dtype=jnp.dtype(f.dtype), axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("packing", "dtype", "axis"))
+def _unpack(held: jax.Array, *, packing: tuple[int, int], dtype, axis: int) -> jax.Array:
+    group, size = packing
     if group == 2:
         byte = held.astype(jnp.uint8)
         parts = [(byte & 0xF).astype(jnp.uint4), (byte >> 4).astype(jnp.uint4)]
         codes = _merge(jnp.stack(parts, axis=axis), axis)
-        return lax.bitcast_convert_type(codes, f.dtype)
+        return lax.bitcast_convert_type(codes, dtype)
     triples = _split(held.astype(jnp.uint32), axis, held.shape[axis] // size, size)
     b = [_take(triples, i, axis) for i in range(size)]
     word = b[0] | (b[1] << 8) | (b[2] << 16)
     parts = [(word >> shift) & _SIX_BITS for shift in (0, 6, 12, 18)]
-    return _merge(jnp.stack(parts, axis=axis), axis).astype(f.dtype)
+    return _merge(jnp.stack(parts, axis=axis), axis).astype(dtype)
 
 
 def _split(x: jax.Array, axis: int, groups: int, group: int) -> jax.Array:

@@ -2,7 +2,7 @@
 
 XLA:CPU flushes subnormal products to zero (:func:`multiply_exact` computes them from
 integers) and turns a division by a broadcast value into a multiplication by its reciprocal
-(:func:`divide` keeps the division; :func:`division` swaps in a kernel's own).
+(:func:`divide` keeps the division).
 
 Example:
     >>> import jax.numpy as jnp
@@ -15,15 +15,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax.numpy as jnp
 from jax import lax
 
 from jaxmx._src.core.bits import MANTISSA_BITS, MANTISSA_MASK, clip, from_bits, to_bits, where
-
-_division = contextvars.ContextVar("jaxmx_division", default=None)
 
 
 def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
@@ -31,14 +26,9 @@ def divide(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
 
     Where ``/`` alone is not: XLA turns a division by a broadcast value into a multiplication
     by its rounded reciprocal (one ulp off), so the divisor is materialised at the quotient's
-    shape (batched under ``jax.vmap`` as the dividend is) behind an optimization barrier; and
-    inside a kernel traced under :func:`division` (the Pallas quantizers compiled for a GPU,
-    whose Triton lowering divides approximately) the given function divides instead.
+    shape (batched under ``jax.vmap`` as the dividend is) behind an optimization barrier.
     """
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    override = _division.get()
-    if override is not None:
-        return override(*jnp.broadcast_arrays(a, b))
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     return jnp.broadcast_to(a, shape) / lax.optimization_barrier(_batched_like(b, a, shape))
 
@@ -51,16 +41,6 @@ def _batched_like(b: jnp.ndarray, a: jnp.ndarray, shape) -> jnp.ndarray:
     read as bits before their broadcast: a constant operand leaves XLA no work at ``shape``."""
     b_bits = jnp.broadcast_to(to_bits(b), shape)
     return from_bits(b_bits | jnp.broadcast_to(to_bits(a) & 0, shape))
-
-
-@contextlib.contextmanager
-def division(divide_fn):
-    """Within this block :func:`divide` calls ``divide_fn(a, b)`` (same-shape float32 arrays)."""
-    token = _division.set(divide_fn)
-    try:
-        yield
-    finally:
-        _division.reset(token)
 
 
 def multiply_exact(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:

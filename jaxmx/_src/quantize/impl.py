@@ -64,11 +64,11 @@ def check_pallas_tile(tile: tuple[int, int]) -> tuple[int, int]:
 
 
 def dispatch(impl: str, xla, pallas, x):
-    """``xla(x)`` or the interpreted kernels ``pallas(x, interpret=True)``, as a checked ``impl``
+    """``xla(x)`` or the interpreted kernels ``pallas(x)``, as a checked ``impl``
     (:func:`check_impl`) says, on every lowering platform: a program lowered for CUDA from a
-    CPU process (``jax.export``) carries the interpreted kernels too, not the compiled ones
-    that :data:`PALLAS_ON_GPU` refuses. An empty ``x`` has no tile for a kernel to read: it
+    CPU process (``jax.export``) carries the interpreted kernels too (no compiled ones:
+    :data:`PALLAS_ON_GPU`). An empty ``x`` has no tile for a kernel to read: it
     takes ``xla(x)``, whose empty codes and scales are the ones the kernels would write."""
     if impl in ("xla", "auto") or x.size == 0:
         return xla(x)
-    return pallas(x, interpret=True)
+    return pallas(x)

@@ -43,9 +43,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
-from jaxmx._src.core import bits, ieee_arithmetic, wire
+from jaxmx._src.core import bits, wire
 from jaxmx._src.core.blocks import tiles, untile
 from jaxmx._src.core.formats import Format
 from jaxmx._src.core.mxarray import MXArray
@@ -61,41 +60,8 @@ from jaxmx._src.quantize.scales import rule_of
 """Tile edge of the kernels: a multiple of every block (16, 32, 128) and of the swizzle's
 128-row tile."""
 
-_TRITON = pl_triton.CompilerParams(num_warps=4)
-"""GPU kernels go through Pallas' Triton lowering (the default, Mosaic GPU, lacks reductions
-over an axis of a tile)."""
 
-_DIV_RN = "div.rn.f32 $0, $1, $2;"
-"""PTX float32 division rounded to nearest even (IEEE). Pallas' Triton lowering divides with the
-approximate ``div.full.f32`` (up to 2 ulp off); block FP8's and NVFP4's scales and elements are
-quotients whose bytes must equal the XLA quantizer's."""
-
-
-def _rounded_divide(a, b):
-    """``a / b`` by :data:`_DIV_RN`, for :func:`jaxmx._src.core.ieee_arithmetic.divide` in
-    compiled kernels (scalars as 1-element tensors: the inline assembly takes tensors)."""
-    shape = a.shape
-    a, b = (v.reshape(v.shape or (1,)) for v in (a, b))
-    out = jax.ShapeDtypeStruct(a.shape, jnp.float32)
-    args = dict(args=[a, b], constraints="=f,f,f", pack=1, result_shape_dtypes=[out])
-    return pl_triton.elementwise_inline_asm(_DIV_RN, **args)[0].reshape(shape)
-
-
-def _kernel(body, interpret: bool):
-    """``body`` as a kernel: compiled for a GPU, its divisions are :func:`_rounded_divide`;
-    interpreted, they are XLA's (:func:`jaxmx._src.core.ieee_arithmetic.divide`)."""
-    if interpret:
-        return body
-
-    @functools.wraps(body)
-    def kernel(*refs):
-        with ieee_arithmetic.division(_rounded_divide):
-            body(*refs)
-
-    return kernel
-
-
-def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpret: bool):
+def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g):
     """(codes, scales, tensor scale or None) of :func:`jaxmx.quantize` by the kernels (checked
     arguments; ``g``: NVFP4's checked ``global_scale``, None to compute it)."""
     if g is None:
@@ -122,14 +88,14 @@ def quantize(x, *, f: Format, axis: int, scale_mode: str, key, tile, g, interpre
 
     def run(v, draws):
         draws = None if draws is None else pad_to_tiles(draws)
-        return quantize_2d(pad_to_tiles(v), f, scale_mode, block, draws, g, interpret=interpret)
+        return quantize_2d(pad_to_tiles(v), f, scale_mode, block, draws, g)
 
     data, scale = jax.vmap(run)(view, noise)
     data, scale = data[:, : padded[1], : padded[2]], scale[:, :rows, :cols]
     return _as_codes(data, f), wire.from_bytes(scale, f.scale_dtype), g
 
 
-def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool, interpret: bool):
+def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool):
     """:func:`jaxmx.quantize_rowwise_colwise` by the fused kernel: (row, col_t) and, with
     ``swizzled``, both swizzled scales. ``copy_keys``: the two copies' keys, or Nones."""
     m, k = x.shape
@@ -142,7 +108,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
         col = uniform_noise(col_key, (1, nb_m, f.block, k), tied_to=x).reshape(nb_m * f.block, k)
         noise = (pad_to_tiles(row), pad_to_tiles(col))
     out = quantize_rowwise_colwise_2d(
-        pad_to_tiles(x), f, scale_mode, noise, swizzled, g, shape=(m, k), interpret=interpret
+        pad_to_tiles(x), f, scale_mode, noise, swizzled, g, shape=(m, k)
     )
     row_codes, col_codes = (_as_codes(c, f) for c in out[0:3:2])
     row_scale, col_scale = (wire.from_bytes(s, f.scale_dtype) for s in out[1:4:2])
@@ -153,7 +119,7 @@ def rowwise_colwise(x, *, f: Format, scale_mode: str, copy_keys, swizzled: bool,
     return (row, col_t, *out[4:])
 
 
-def quantize_2d(x, f: Format, scale_mode: str, block, noise=None, g=None, *, interpret: bool):
+def quantize_2d(x, f: Format, scale_mode: str, block, noise=None, g=None):
     """One copy of a 2-D ``x`` [A, B] (float32, bfloat16 or float16), one scale per ``block``
     ``(r, c)`` of it: ``(1, f.block)`` along the rows, ``(f.block, 1)`` along the columns, or
     a 2-D tile whose sides divide :data:`TILE`; codes in place.
@@ -177,13 +143,12 @@ def quantize_2d(x, f: Format, scale_mode: str, block, noise=None, g=None, *, int
         data_ref[...], scale_ref[...] = _quantize_tile(ins[0][...], f, scale_mode, block, n, tile_g)
 
     return pl.pallas_call(
-        _kernel(kernel, interpret),
+        kernel,
         grid=(a // TILE, b // TILE),
         in_specs=in_specs,
         out_specs=[spec, pl.BlockSpec((TILE // r, TILE // c), lambda i, j: (i, j))],
         out_shape=[out((a, b), _code_dtype(f)), out((a // r, b // c), _scale_dtype(f))],
-        interpret=interpret,
-        compiler_params=_TRITON,
+        interpret=True,
     )(*inputs)
 
 
@@ -196,7 +161,6 @@ def quantize_rowwise_colwise_2d(
     g=None,
     *,
     shape=None,
-    interpret: bool,
 ):
     """Both copies of a 2-D ``x`` [M, K] (float32, bfloat16 or float16; dimensions multiples of
     :data:`TILE`) from one read of each tile.
@@ -262,13 +226,12 @@ def quantize_rowwise_colwise_2d(
 
     results = list(
         pl.pallas_call(
-            _kernel(kernel, interpret),
+            kernel,
             grid=(m // TILE, k // TILE),
             in_specs=[tile] * (n_in - (g is not None)) + _scalar_spec(g),
             out_specs=out_specs,
             out_shape=out_shape,
-            interpret=interpret,
-            compiler_params=_TRITON,
+            interpret=True,
         )(x, *rest)
     )
     if swizzle:  # whole 128x4 tiles only: the kernel's 128-element padding may hold more

@@ -154,9 +154,9 @@ def _codes_and_scales(x, key, global_scale, *, f: Format, axis: int, scale_mode,
             data = materialized(data, one_from=scales)
         return shaped(data, scales, g)
 
-    def kernels(x, interpret):
+    def kernels(x):
         settings = dict(f=f, axis=axis, scale_mode=scale_mode, key=key, tile=tile)
-        return shaped(*pallas.quantize(x, **settings, g=global_scale, interpret=interpret))
+        return shaped(*pallas.quantize(x, **settings, g=global_scale))
 
     return dispatch(impl, xla, kernels, x)
 
@@ -341,14 +341,9 @@ def _rowwise_colwise(x, key, *, f: Format, scale_mode: str, impl: str, swizzled:
             return row, col_t, swizzle_scales(row.scale), swizzle_scales(col_t.scale)
         return row, col_t
 
-    def kernels(x, interpret):
+    def kernels(x):
         return pallas.rowwise_colwise(
-            x,
-            f=f,
-            scale_mode=scale_mode,
-            copy_keys=(row_key, col_key),
-            swizzled=swizzled,
-            interpret=interpret,
+            x, f=f, scale_mode=scale_mode, copy_keys=(row_key, col_key), swizzled=swizzled
         )
 
     return dispatch(impl, xla, kernels, x)
